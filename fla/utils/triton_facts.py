@@ -1,0 +1,111 @@
+"""Every fact about the installed Triton release, in one place.
+
+Kernels and launchers import these names instead of testing versions themselves, so a
+new Triton release is handled by editing this file alone.
+
+Facts we rely on (and why they matter):
+
+* Block pointers (``tl.make_block_ptr`` / ``tl.advance``) are gone in Triton 3.9. No
+  kernel of ours uses them: tiles are addressed with plain pointer arithmetic, which
+  compiles on every release from 3.3 on.
+* The CPU interpreter (``TRITON_INTERPRET=1``) computes ``tl.dot`` on bf16 operands
+  wrongly on some releases; tests run the interpreter in fp32/fp16 and bf16 on the GPU.
+* ``triton.autotune`` with several configs fails in the interpreter without a GPU
+  driver; our tuning layer (``fla.utils.tuning``) never calls it.
+* Some releases have no direct bf16 -> fp16 conversion; kernels cast through fp32.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+MIN_TRITON = (3, 3)
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+TRITON_VERSION: tuple[int, int, int] = _parse_version(triton.__version__)
+TRITON_VERSION_STRING: str = triton.__version__
+
+# Triton 3.9 removed block pointers; kept as a fact for code that inspects old kernels.
+HAS_BLOCK_PTR: bool = TRITON_VERSION < (3, 9, 0) and hasattr(tl, "make_block_ptr")
+HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
+
+# In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it.
+INTERPRETER_BF16_DOT_IS_WRONG: bool = True
+
+
+def is_interpreter() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels run on the CPU, in Python."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(index: int = 0) -> str:
+    """The GPU's marketing name (``"NVIDIA H100 80GB HBM3"``), or ``"cpu"``."""
+    import torch
+
+    if is_interpreter() or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int = 0) -> tuple[int, int]:
+    """CUDA compute capability, ``(0, 0)`` without a GPU."""
+    import torch
+
+    if is_interpreter() or not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability(index)
+
+
+def is_hopper(index: int = 0) -> bool:
+    return device_capability(index)[0] == 9
+
+
+def supported() -> bool:
+    """Whether the installed Triton is within the range this library is tested on."""
+    return TRITON_VERSION[:2] >= MIN_TRITON
+
+
+def compiled_kernel_count(kernel) -> int:
+    """How many binaries Triton has compiled for a ``@triton.jit`` function so far.
+
+    Used by tests that assert a new sequence length or ``cu_seqlens`` causes no
+    recompilation. The per-device cache is ``device_caches[device][0]`` on Triton
+    3.3-3.9 (the tuple grew a member in 3.5; its first element stayed the kernel
+    cache); older code kept ``cache[device]``. In the interpreter nothing is compiled
+    and the count is 0.
+    """
+    kernel = getattr(kernel, "fn", kernel) if not hasattr(kernel, "device_caches") else kernel
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    legacy = getattr(kernel, "cache", None)
+    if isinstance(legacy, dict):
+        return sum(len(per_device) for per_device in legacy.values())
+    return 0
+
+
+def dot_precision(dtype) -> str:
+    """``input_precision`` for ``tl.dot`` on operands of ``dtype``.
+
+    fp32 operands use "ieee": Triton's default for them is tf32 (about 3e-4 relative
+    error), which would break the fp32 accuracy contract (1e-4). 16-bit operands are
+    exact products either way; "tf32" is the value every release accepts for them.
+    """
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"

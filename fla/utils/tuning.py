@@ -1,0 +1,372 @@
+"""Our tuning layer over Triton kernels.
+
+Why not ``triton.autotune``: its keys are positional indices into the argument list
+(a renamed or reordered argument turns into ``IndexError: list index out of range``),
+the first call at every new key benchmarks every config (minutes for a model's first
+step), it has no cache that outlives the process, and with several configs it fails in
+the interpreter when no GPU driver is present.
+
+What this layer does instead, for a kernel decorated with :func:`tuned`:
+
+* keys are argument *names*, checked against the kernel's signature when the module is
+  imported; a tensor argument contributes its dtype, anything else its value;
+* each kernel has a heuristic ``default(args) -> Config``: a call uses it at once and
+  nothing is benchmarked;
+* with ``FLA_TUNE=1`` the first call at a new key benchmarks the kernel's ``space`` and
+  keeps the fastest; results are saved on disk per (kernel, key, GPU name, Triton
+  version) under ``FLA_CACHE_DIR`` (default ``~/.cache/fla/tuning``) and read back by
+  later processes whether tuning is on or not;
+* a config that the installed Triton/GPU pair fails to compile is skipped with a
+  warning and the next candidate is taken; only when every candidate fails is an error
+  raised, listing each failure;
+* in the interpreter (``TRITON_INTERPRET=1``) only one config runs: the default (or,
+  should it fail, the next one that works).
+
+Usage::
+
+    @tuned(key=["K", "V"], default=lambda a: Config(BK=64, BV=64, num_warps=4),
+           space=lambda a: [Config(BK=bk, BV=bv, num_warps=w) ...])
+    @triton.jit(do_not_specialize=["T"])
+    def my_kernel(q, k, v, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, ...):
+        ...
+
+    my_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](q, k, v, T, K=K, V=V)
+
+The config's meta-parameters (``BK`` ...) are supplied by the layer; the caller passes
+everything else. Sequence length must never be a key (a new length must not re-tune).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from fla.utils.triton_facts import TRITON_VERSION_STRING, device_name, is_interpreter
+
+__all__ = ["Config", "TunedKernel", "tuned", "tuning_enabled", "cache_dir"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: constexpr meta-parameters plus warps and stages."""
+
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __init__(self, meta: Mapping[str, Any] | None = None, *, num_warps: int = 4,
+                 num_stages: int = 2, **meta_kwargs: Any):
+        merged = dict(meta or {})
+        merged.update(meta_kwargs)
+        object.__setattr__(self, "meta", dict(sorted(merged.items())))
+        object.__setattr__(self, "num_warps", int(num_warps))
+        object.__setattr__(self, "num_stages", int(num_stages))
+
+    def launch_kwargs(self) -> dict[str, Any]:
+        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": dict(self.meta), "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Config":
+        return cls(data["meta"], num_warps=data["num_warps"], num_stages=data["num_stages"])
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.meta.items()), self.num_warps, self.num_stages))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self.to_json() == other.to_json()
+
+    def __str__(self) -> str:
+        meta = ", ".join(f"{k}={v}" for k, v in self.meta.items())
+        return f"Config({meta}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+
+    __repr__ = __str__
+
+
+def tuning_enabled() -> bool:
+    """``FLA_TUNE=1``: benchmark the config space at the first call of each new key."""
+    return os.environ.get("FLA_TUNE", "0") not in ("", "0") and not is_interpreter()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FLA_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "fla" / "tuning"
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
+
+
+def _key_part(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).replace("torch.", "")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return repr(value)
+
+
+class TunedKernel:
+    """A ``@triton.jit`` kernel plus the rules that choose its launch configuration."""
+
+    def __init__(self, kernel, *, key: Sequence[str],
+                 default: Callable[[Mapping[str, Any]], Config],
+                 space: Callable[[Mapping[str, Any]], Iterable[Config]] | Sequence[Config] = (),
+                 reset_to_zero: Sequence[str] = (), restore: Sequence[str] = (),
+                 name: str | None = None):
+        self.kernel = kernel
+        python_fn = getattr(kernel, "fn", kernel)
+        while hasattr(python_fn, "fn"):
+            python_fn = python_fn.fn
+        self.name = name or f"{python_fn.__module__}.{python_fn.__name__}"
+        self.arg_names = list(inspect.signature(python_fn).parameters)
+        for what, names in (("key", key), ("reset_to_zero", reset_to_zero),
+                            ("restore", restore)):
+            unknown = [n for n in names if n not in self.arg_names]
+            if unknown:
+                raise ValueError(
+                    f"tuned({self.name}): {what} names {unknown} are not arguments of the "
+                    f"kernel; its arguments are {self.arg_names}")
+        self.key = tuple(key)
+        self.default = default
+        self.space = space
+        self.reset_to_zero = tuple(reset_to_zero)
+        self.restore = tuple(restore)
+        self._chosen: dict[tuple, Config] = {}
+        self._verified: set[tuple] = set()
+        self._disk: dict[str, dict] | None = None
+        self._lock = threading.Lock()
+        self.stats = {"heuristic": 0, "tuned": 0, "disk_hits": 0, "skipped_configs": 0}
+        self.failures: dict[tuple, dict[Config, str]] = {}
+
+    # ------------------------------------------------------------------ public
+    def __getitem__(self, grid):
+        def launcher(*args, **kwargs):
+            return self.launch(grid, args, kwargs)
+        return launcher
+
+    def launch(self, grid, args: Sequence[Any], kwargs: Mapping[str, Any]):
+        named = self._bind(args, kwargs)
+        key = self.key_of(named)
+        config = self._chosen.get(key)
+        if config is None:
+            config = self._choose(key, named, grid)
+        if (key, config) in self._verified:
+            return self._run(config, grid, named)
+        return self._run_first(key, config, grid, named)
+
+    def key_of(self, named: Mapping[str, Any]) -> tuple:
+        return tuple(_key_part(named.get(k)) for k in self.key)
+
+    def chosen_config(self, **named: Any) -> Config | None:
+        """The config a call with these key arguments would use, if chosen already."""
+        return self._chosen.get(self.key_of(named))
+
+    def candidates(self, named: Mapping[str, Any]) -> list[Config]:
+        """The default first, then the rest of the space without repeats."""
+        space = self.space(named) if callable(self.space) else self.space
+        ordered: list[Config] = []
+        for config in [self.default(named), *space]:
+            if config not in ordered:
+                ordered.append(config)
+        return ordered
+
+    # ----------------------------------------------------------------- binding
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{self.name}: {len(args)} positional arguments for "
+                            f"{len(self.arg_names)} parameters")
+        named = dict(zip(self.arg_names, args))
+        for k, v in kwargs.items():
+            if k not in self.arg_names:
+                raise TypeError(f"{self.name}: unexpected argument {k!r}; arguments are "
+                                f"{self.arg_names}")
+            if k in named:
+                raise TypeError(f"{self.name}: argument {k!r} given twice")
+            named[k] = v
+        return named
+
+    # ------------------------------------------------------------------ choice
+    def _choose(self, key: tuple, named: Mapping[str, Any], grid) -> Config:
+        with self._lock:
+            config = self._chosen.get(key)
+            if config is not None:
+                return config
+            if not is_interpreter():
+                config = self._from_disk(key)
+                if config is not None:
+                    self.stats["disk_hits"] += 1
+            if config is None and tuning_enabled():
+                config = self._tune(key, named, grid)
+                self.stats["tuned"] += 1
+                self._to_disk(key, config)
+            if config is None:
+                config = self.default(named)
+                self.stats["heuristic"] += 1
+            self._chosen[key] = config
+            return config
+
+    def _launch_args(self, config: Config, named: Mapping[str, Any]) -> dict[str, Any]:
+        clash = [k for k in config.meta if k in named]
+        if clash:
+            raise TypeError(f"{self.name}: the caller passed {clash}, which the tuning "
+                            f"layer supplies from the config")
+        return {**named, **config.launch_kwargs()}
+
+    def _grid(self, grid, launch_args: Mapping[str, Any]):
+        return grid(launch_args) if callable(grid) else grid
+
+    def _run(self, config: Config, grid, named: Mapping[str, Any]):
+        launch_args = self._launch_args(config, named)
+        return self.kernel[self._grid(grid, launch_args)](**launch_args)
+
+    def _compile(self, config: Config, grid, named: Mapping[str, Any]) -> None:
+        """Compile without launching (GPU only; the interpreter compiles nothing)."""
+        launch_args = self._launch_args(config, named)
+        self.kernel.warmup(grid=self._grid(grid, launch_args), **launch_args)
+
+    def _run_first(self, key: tuple, config: Config, grid, named: Mapping[str, Any]):
+        """First launch of a config at a key: a failure to build it moves on to the next
+        candidate instead of ending the call."""
+        tried = [config] + [c for c in self.candidates(named) if c != config]
+        errors: dict[Config, str] = {}
+        for candidate in tried:
+            try:
+                if is_interpreter():
+                    # Nothing is compiled ahead in the interpreter: the run is the check.
+                    result = self._run(candidate, grid, named)
+                else:
+                    self._compile(candidate, grid, named)
+                    result = None
+            except Exception as error:  # noqa: BLE001 - any build failure skips the config
+                errors[candidate] = f"{type(error).__name__}: {error}"
+                self.stats["skipped_configs"] += 1
+                continue
+            if errors:
+                self.failures.setdefault(key, {}).update(errors)
+                warnings.warn(
+                    f"{self.name}: {len(errors)} config(s) failed to build on Triton "
+                    f"{TRITON_VERSION_STRING} / {device_name()} and were skipped; using "
+                    f"{candidate}. First failure: {next(iter(errors.values()))[:300]}",
+                    RuntimeWarning, stacklevel=4)
+            with self._lock:
+                self._chosen[key] = candidate
+                self._verified.add((key, candidate))
+            if is_interpreter():
+                return result
+            return self._run(candidate, grid, named)
+        details = "\n".join(f"  {c}: {e[:500]}" for c, e in errors.items())
+        raise RuntimeError(f"{self.name}: no config could be built for key "
+                           f"{dict(zip(self.key, key))}:\n{details}")
+
+    # ------------------------------------------------------------------ tuning
+    def _tune(self, key: tuple, named: Mapping[str, Any], grid) -> Config:
+        from triton.testing import do_bench
+
+        saved = {n: named[n].clone() for n in self.restore if torch.is_tensor(named[n])}
+        timings: dict[Config, float] = {}
+        errors: dict[Config, str] = {}
+        for config in self.candidates(named):
+            try:
+                self._compile(config, grid, named)
+            except Exception as error:  # noqa: BLE001
+                errors[config] = f"{type(error).__name__}: {error}"
+                self.stats["skipped_configs"] += 1
+                continue
+
+            def call(config=config):
+                for n in self.reset_to_zero:
+                    named[n].zero_()
+                self._run(config, grid, named)
+
+            try:
+                timings[config] = do_bench(call, warmup=5, rep=25, return_mode="median")
+            except Exception as error:  # noqa: BLE001 - e.g. out of resources at launch
+                errors[config] = f"{type(error).__name__}: {error}"
+                self.stats["skipped_configs"] += 1
+        for n, value in saved.items():
+            named[n].copy_(value)
+        for n in self.reset_to_zero:
+            named[n].zero_()
+        if errors:
+            self.failures.setdefault(key, {}).update(errors)
+        if not timings:
+            details = "\n".join(f"  {c}: {e[:500]}" for c, e in errors.items())
+            raise RuntimeError(f"{self.name}: every config failed while tuning key "
+                               f"{dict(zip(self.key, key))}:\n{details}")
+        best = min(timings, key=timings.get)
+        self._verified.add((key, best))
+        return best
+
+    # -------------------------------------------------------------- disk cache
+    def cache_file(self) -> Path:
+        return (cache_dir() / _safe(device_name()) / _safe(TRITON_VERSION_STRING)
+                / f"{_safe(self.name)}.json")
+
+    @staticmethod
+    def _key_string(key: tuple) -> str:
+        return json.dumps(list(key))
+
+    def _from_disk(self, key: tuple) -> Config | None:
+        if self._disk is None:
+            try:
+                self._disk = json.loads(self.cache_file().read_text())
+            except (OSError, ValueError):
+                self._disk = {}
+        entry = self._disk.get(self._key_string(key))
+        if entry is None:
+            return None
+        try:
+            return Config.from_json(entry)
+        except (KeyError, TypeError):
+            return None
+
+    def _to_disk(self, key: tuple, config: Config) -> None:
+        path = self.cache_file()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                current = json.loads(path.read_text())
+            except (OSError, ValueError):
+                current = {}
+            current[self._key_string(key)] = config.to_json()
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as handle:
+                json.dump(current, handle, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+            self._disk = current
+        except OSError as error:
+            warnings.warn(f"{self.name}: could not save tuned config to {path}: {error}",
+                          RuntimeWarning, stacklevel=3)
+
+
+def tuned(*, key: Sequence[str], default: Callable[[Mapping[str, Any]], Config],
+          space: Callable[[Mapping[str, Any]], Iterable[Config]] | Sequence[Config] = (),
+          reset_to_zero: Sequence[str] = (), restore: Sequence[str] = (),
+          name: str | None = None) -> Callable[[Any], TunedKernel]:
+    """Decorator: wrap a ``@triton.jit`` kernel in a :class:`TunedKernel`.
+
+    Args:
+        key: argument names whose values select the config (tensor -> its dtype).
+        default: ``args -> Config``, the heuristic used without tuning.
+        space: ``args -> [Config]`` (or a list), what ``FLA_TUNE=1`` benchmarks.
+        reset_to_zero: tensors zeroed before each tuning trial (atomic accumulators).
+        restore: tensors updated in place by the kernel, restored after tuning.
+        name: the name in the disk cache; defaults to ``module.function``.
+    """
+    def wrap(kernel) -> TunedKernel:
+        return TunedKernel(kernel, key=key, default=default, space=space,
+                           reset_to_zero=reset_to_zero, restore=restore, name=name)
+    return wrap

@@ -1,0 +1,99 @@
+"""Helpers shared by the tests: error measure, fresh random inputs, varlen splits.
+
+Inputs are drawn fresh on every run (never zeros, never a fixed seed): a fast path must
+compute the same function on any valid input. Each test prints its seed (see the
+``seed`` fixture) so that a failure can be replayed with ``torch.Generator().manual_seed``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+# Relative-error bounds of the quality bar, by the dtype the fast path computed in.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3,
+             torch.bfloat16: 5e-3}
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere in ``out`` gives inf."""
+    out64 = out.detach().to(torch.float64).cpu()
+    ref64 = ref.detach().to(torch.float64).cpu()
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {tuple(out64.shape)} != reference {tuple(ref64.shape)}")
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_rel_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    err = rel_error(out, ref)
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+def uneven_lengths(n: int, gen: torch.Generator, low: int = 1, high: int = 150,
+                   chunk: int = 64) -> list[int]:
+    """``n`` random sequence lengths in [low, high], none a multiple of ``chunk`` (and,
+    when ``n >= 2`` and the range allows, one shorter and one longer than a chunk)."""
+    lengths = []
+    for _ in range(n):
+        while True:
+            L = int(torch.randint(low, high + 1, (1,), generator=gen))
+            if L % chunk:
+                break
+        lengths.append(L)
+    if n >= 2 and low < chunk < high:
+        lengths[0] = max(low, min(lengths[0], chunk - 1))
+        if high > chunk + 1:
+            lengths[-1] = max(lengths[-1], chunk + 1 + (lengths[-1] % chunk == 0))
+    return lengths
+
+
+def cu_seqlens_of(lengths: list[int], device="cpu") -> torch.Tensor:
+    offsets = [0]
+    for L in lengths:
+        offsets.append(offsets[-1] + L)
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
+def odd_length(gen: torch.Generator, low: int = 1, high: int = 200, chunk: int = 64) -> int:
+    """A random sequence length that is not a multiple of ``chunk``."""
+    return uneven_lengths(1, gen, low, high, chunk)[0]
+
+
+def randn(shape, gen: torch.Generator, dtype=torch.float32, device="cpu", scale: float = 1.0,
+          requires_grad: bool = False) -> torch.Tensor:
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+    return x.requires_grad_(requires_grad)
+
+
+def log_gate(shape, gen: torch.Generator, low: float = -1.0, high: float = -1e-3,
+             dtype=torch.float32, device="cpu", requires_grad: bool = False) -> torch.Tensor:
+    """Log decays uniform in [low, high] (both < 0): never exactly zero."""
+    u = torch.rand(shape, generator=gen, dtype=torch.float64)
+    x = (low + (high - low) * u).to(dtype).to(device)
+    return x.requires_grad_(requires_grad)
+
+
+def unit_interval(shape, gen: torch.Generator, dtype=torch.float32, device="cpu",
+                  requires_grad: bool = False) -> torch.Tensor:
+    """Values in (0, 1), e.g. the delta rule's beta."""
+    x = torch.sigmoid(torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype).to(device)
+    return x.requires_grad_(requires_grad)
+
+
+def l2_normalized(shape, gen: torch.Generator, dtype=torch.float32, device="cpu",
+                  requires_grad: bool = False) -> torch.Tensor:
+    x = F.normalize(torch.randn(shape, generator=gen, dtype=torch.float64), dim=-1)
+    return x.to(dtype).to(device).requires_grad_(requires_grad)
