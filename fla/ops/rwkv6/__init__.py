@@ -1,0 +1,4 @@
+"""RWKV6 (Finch): GLA with a bonus for the current token, ALGORITHMS.md §3."""
+from fla.ops.rwkv6.naive import naive_recurrent_rwkv6
+
+__all__ = ["naive_recurrent_rwkv6"]

@@ -1,0 +1,4 @@
+"""RWKV7 (Goose): the DPLR delta rule with q = r and gk = w, ALGORITHMS.md §4."""
+from fla.ops.rwkv7.naive import naive_recurrent_rwkv7
+
+__all__ = ["naive_recurrent_rwkv7"]
