@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import triton
 import triton.language as tl
@@ -26,9 +27,11 @@ MIN_TRITON = (3, 3)
 
 
 def _parse_version(text: str) -> tuple[int, int, int]:
+    # Only the leading digits of each piece count: "1rc1" is 1 and "0a0" is 0 (gathering
+    # every digit would read "3.10.1rc1" as 3.10.11).
     parts = []
     for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = re.match(r"\d*", piece).group(0)
         parts.append(int(digits) if digits else 0)
     while len(parts) < 3:
         parts.append(0)
@@ -89,7 +92,19 @@ def compiled_kernel_count(kernel) -> int:
     cache); older code kept ``cache[device]``. In the interpreter nothing is compiled
     and the count is 0.
     """
-    kernel = getattr(kernel, "fn", kernel) if not hasattr(kernel, "device_caches") else kernel
+    # Unwrap launch wrappers down to the object that holds the caches: a TunedKernel keeps
+    # the jit function in ``.kernel``, triton's Autotuner/Heuristics in ``.fn`` (possibly
+    # nested). Stopping one level short would count 0 and make "no recompilation"
+    # assertions pass vacuously.
+    for _ in range(8):
+        if hasattr(kernel, "device_caches") or isinstance(getattr(kernel, "cache", None), dict):
+            break
+        inner = getattr(kernel, "kernel", None)
+        if inner is None:
+            inner = getattr(kernel, "fn", None)
+        if inner is None or inner is kernel:
+            break
+        kernel = inner
     caches = getattr(kernel, "device_caches", None)
     if caches is not None:
         return sum(len(entry[0]) for entry in caches.values())

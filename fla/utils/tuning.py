@@ -13,9 +13,9 @@ What this layer does instead, for a kernel decorated with :func:`tuned`:
 * each kernel has a heuristic ``default(args) -> Config``: a call uses it at once and
   nothing is benchmarked;
 * with ``FLA_TUNE=1`` the first call at a new key benchmarks the kernel's ``space`` and
-  keeps the fastest; results are saved on disk per (kernel, key, GPU name, Triton
-  version) under ``FLA_CACHE_DIR`` (default ``~/.cache/fla/tuning``) and read back by
-  later processes whether tuning is on or not;
+  keeps the fastest; results are saved on disk per (kernel and a hash of its source,
+  key, GPU name, Triton version) under ``FLA_CACHE_DIR`` (default
+  ``~/.cache/fla/tuning``) and read back by later processes, tuning on or not;
 * a config that the installed Triton/GPU pair fails to compile is skipped with a
   warning and the next candidate is taken; only when every candidate fails is an error
   raised, listing each failure;
@@ -37,6 +37,7 @@ everything else. Sequence length must never be a key (a new length must not re-t
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -132,6 +133,13 @@ class TunedKernel:
             python_fn = python_fn.fn
         self.name = name or f"{python_fn.__module__}.{python_fn.__name__}"
         self.arg_names = list(inspect.signature(python_fn).parameters)
+        # Part of the cache file's name: configs tuned for an older version of the
+        # kernel's source are not read back after an edit.
+        try:
+            source = inspect.getsource(python_fn)
+        except (OSError, TypeError):
+            source = self.name
+        self.source_hash = hashlib.sha1(source.encode()).hexdigest()[:10]
         for what, names in (("key", key), ("reset_to_zero", reset_to_zero),
                             ("restore", restore)):
             unknown = [n for n in names if n not in self.arg_names]
@@ -204,6 +212,9 @@ class TunedKernel:
             config = self._chosen.get(key)
             if config is not None:
                 return config
+            # A caller passing a meta-parameter is a usage error: raise it as such here,
+            # before tuning or the fallback loop could mistake it for a config failure.
+            self._launch_args(self.default(named), named)
             if not is_interpreter():
                 config = self._from_disk(key)
                 if config is not None:
@@ -240,16 +251,20 @@ class TunedKernel:
     def _run_first(self, key: tuple, config: Config, grid, named: Mapping[str, Any]):
         """First launch of a config at a key: a failure to build it moves on to the next
         candidate instead of ending the call."""
+        self._launch_args(config, named)  # usage errors raise, not skip configs
         tried = [config] + [c for c in self.candidates(named) if c != config]
         errors: dict[Config, str] = {}
         for candidate in tried:
             try:
-                if is_interpreter():
-                    # Nothing is compiled ahead in the interpreter: the run is the check.
-                    result = self._run(candidate, grid, named)
-                else:
+                if not is_interpreter():
+                    # On a GPU, build first; the interpreter compiles nothing ahead, so
+                    # there the run itself is the check.
                     self._compile(candidate, grid, named)
-                    result = None
+                # The launch stays inside the try on the GPU too: Triton raises
+                # OutOfResources (shared memory, threads) when the compiled kernel's
+                # handles are first loaded, which happens at launch, not at warmup. It is
+                # raised before anything runs, so the next candidate sees clean inputs.
+                result = self._run(candidate, grid, named)
             except Exception as error:  # noqa: BLE001 - any build failure skips the config
                 errors[candidate] = f"{type(error).__name__}: {error}"
                 self.stats["skipped_configs"] += 1
@@ -264,9 +279,7 @@ class TunedKernel:
             with self._lock:
                 self._chosen[key] = candidate
                 self._verified.add((key, candidate))
-            if is_interpreter():
-                return result
-            return self._run(candidate, grid, named)
+            return result
         details = "\n".join(f"  {c}: {e[:500]}" for c, e in errors.items())
         raise RuntimeError(f"{self.name}: no config could be built for key "
                            f"{dict(zip(self.key, key))}:\n{details}")
@@ -275,7 +288,13 @@ class TunedKernel:
     def _tune(self, key: tuple, named: Mapping[str, Any], grid) -> Config:
         from triton.testing import do_bench
 
-        saved = {n: named[n].clone() for n in self.restore if torch.is_tensor(named[n])}
+        # Tuning must leave no trace: in-place outputs (``restore``) and accumulators
+        # (``reset_to_zero``) get back the values the caller passed once tuning is over,
+        # so the real launch that follows sees exactly the caller's inputs. Optional
+        # tensor arguments may be None (or omitted) and are skipped.
+        zeroed = [n for n in self.reset_to_zero if torch.is_tensor(named.get(n))]
+        saved = {n: named[n].clone() for n in (*self.restore, *zeroed)
+                 if torch.is_tensor(named.get(n))}
         timings: dict[Config, float] = {}
         errors: dict[Config, str] = {}
         for config in self.candidates(named):
@@ -287,7 +306,7 @@ class TunedKernel:
                 continue
 
             def call(config=config):
-                for n in self.reset_to_zero:
+                for n in zeroed:
                     named[n].zero_()
                 self._run(config, grid, named)
 
@@ -298,8 +317,6 @@ class TunedKernel:
                 self.stats["skipped_configs"] += 1
         for n, value in saved.items():
             named[n].copy_(value)
-        for n in self.reset_to_zero:
-            named[n].zero_()
         if errors:
             self.failures.setdefault(key, {}).update(errors)
         if not timings:
@@ -313,7 +330,7 @@ class TunedKernel:
     # -------------------------------------------------------------- disk cache
     def cache_file(self) -> Path:
         return (cache_dir() / _safe(device_name()) / _safe(TRITON_VERSION_STRING)
-                / f"{_safe(self.name)}.json")
+                / f"{_safe(self.name)}-{self.source_hash}.json")
 
     @staticmethod
     def _key_string(key: tuple) -> str:
@@ -321,26 +338,30 @@ class TunedKernel:
 
     def _from_disk(self, key: tuple) -> Config | None:
         if self._disk is None:
-            try:
-                self._disk = json.loads(self.cache_file().read_text())
-            except (OSError, ValueError):
-                self._disk = {}
+            self._disk = self._read_cache(self.cache_file())
         entry = self._disk.get(self._key_string(key))
         if entry is None:
             return None
         try:
             return Config.from_json(entry)
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):  # a damaged entry is a miss, not an error
             return None
+
+    @staticmethod
+    def _read_cache(path: Path) -> dict:
+        """The cache file's mapping; a missing, unreadable or damaged file reads as empty
+        (valid JSON that is not an object included)."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
     def _to_disk(self, key: tuple, config: Config) -> None:
         path = self.cache_file()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                current = json.loads(path.read_text())
-            except (OSError, ValueError):
-                current = {}
+            current = self._read_cache(path)
             current[self._key_string(key)] = config.to_json()
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             with os.fdopen(fd, "w") as handle:
