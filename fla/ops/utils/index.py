@@ -1,0 +1,177 @@
+"""Host-side index helpers for packed (variable-length) batches.
+
+Packed sequences are described by ``cu_seqlens`` (``[N + 1]`` offsets, 0 first, total
+length last). Chunked kernels run one program per chunk of ``chunk_size`` tokens of one
+sequence; the helpers here turn the offsets into that list of chunks once per call, on
+the host, so that no kernel needs a search and no launcher reads the device twice.
+
+Every helper takes ``cu_seqlens`` either as a tensor or as the host list that
+:func:`fla.utils.validation.check_cu_seqlens` returns. Passing the tensor together with
+that list (``cu_seqlens_cpu=``) builds the result on the tensor's device without a
+device-to-host read. Results computed from a tensor are cached (a few entries, keyed by
+the tensor's identity and version), so the stages of one forward/backward pass share
+them: treat the returned tensors as read-only.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "prepare_lens",
+    "prepare_chunk_indices",
+    "prepare_chunk_offsets",
+    "prepare_token_chunk_positions",
+]
+
+_CACHE_SIZE = 16
+_cache: list[tuple] = []  # (weakref to cu_seqlens, version, what, chunk_size, device, value)
+_cache_lock = threading.Lock()
+
+
+def _host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
+    """The offsets as a Python list; reads the device only when no host copy is given."""
+    if cu_seqlens_cpu is not None:
+        source = cu_seqlens_cpu
+    else:
+        source = cu_seqlens
+    if isinstance(source, torch.Tensor):
+        return [int(x) for x in source.tolist()]
+    return [int(x) for x in source]
+
+
+def _check_chunk_size(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    return chunk_size
+
+
+def _cached(what: str, cu_seqlens, chunk_size: int, build: Callable[[], torch.Tensor]
+            ) -> torch.Tensor:
+    """``build()`` memoised on (the tensor ``cu_seqlens`` itself, its version, ...).
+
+    Only tensors are cached: a list carries no identity that outlives the call. Entries
+    whose tensor died are dropped; the cache keeps the last ``_CACHE_SIZE`` results.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return build()
+    version = cu_seqlens._version
+    with _cache_lock:
+        for entry in _cache:
+            ref, ver, w, cs, value = entry
+            if ref() is cu_seqlens and ver == version and w == what and cs == chunk_size:
+                return value
+    value = build()
+    with _cache_lock:
+        _cache[:] = [e for e in _cache if e[0]() is not None][-(_CACHE_SIZE - 1):]
+        _cache.append((weakref.ref(cu_seqlens), version, what, chunk_size, value))
+    return value
+
+
+def _target_device(cu_seqlens) -> torch.device:
+    return cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+
+
+def prepare_lens(cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor | list[int]:
+    """Sequence lengths ``cu_seqlens[1:] - cu_seqlens[:-1]``.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` offsets, a tensor or a host list.
+    Returns:
+        ``[N]`` lengths: a tensor (same device and dtype) for a tensor, a list for a list.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens[1:] - cu_seqlens[:-1]
+    values = [int(x) for x in cu_seqlens]
+    return [b - a for a, b in zip(values[:-1], values[1:])]
+
+
+def _chunk_counts(offsets: list[int], chunk_size: int) -> list[int]:
+    return [-(-(b - a) // chunk_size) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def prepare_chunk_offsets(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: int,
+                          cu_seqlens_cpu: torch.Tensor | Sequence[int] | None = None
+                          ) -> torch.Tensor:
+    """Cumulative chunk counts: entry ``n`` is the index of sequence ``n``'s first chunk.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` offsets, a tensor or a host list.
+        chunk_size: tokens per chunk; the last chunk of a sequence may be partial.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (list or CPU tensor), used
+            instead of reading the device.
+    Returns:
+        ``LongTensor [N + 1]`` on ``cu_seqlens``' device (CPU for a list), starting at 0
+        and ending at the total number of chunks ``NT``.
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+
+    def build() -> torch.Tensor:
+        counts = _chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size)
+        out = [0]
+        for c in counts:
+            out.append(out[-1] + c)
+        return torch.tensor(out, dtype=torch.int64).to(_target_device(cu_seqlens))
+
+    return _cached("chunk_offsets", cu_seqlens, chunk_size, build)
+
+
+def prepare_chunk_indices(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: int,
+                          cu_seqlens_cpu: torch.Tensor | Sequence[int] | None = None
+                          ) -> torch.Tensor:
+    """The chunks of a packed batch, in order: ``(sequence index, chunk index in it)``.
+
+    For sequences of lengths ``L_n``, sequence ``n`` contributes ``ceil(L_n / chunk_size)``
+    rows ``(n, 0), (n, 1), ...``. Chunked kernels launch one program per row.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` offsets, a tensor or a host list.
+        chunk_size: tokens per chunk.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (list or CPU tensor), used
+            instead of reading the device.
+    Returns:
+        ``LongTensor [NT, 2]`` on ``cu_seqlens``' device (CPU for a list), contiguous.
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+
+    def build() -> torch.Tensor:
+        counts = torch.tensor(
+            _chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size),
+            dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.int64), counts)
+        first = torch.cumsum(counts, 0) - counts
+        chunk = torch.arange(seq.numel(), dtype=torch.int64) - first[seq]
+        return torch.stack([seq, chunk], dim=1).to(_target_device(cu_seqlens))
+
+    return _cached("chunk_indices", cu_seqlens, chunk_size, build)
+
+
+def prepare_token_chunk_positions(offsets: Sequence[int], chunk_size: int,
+                                  device: torch.device | str = "cpu"
+                                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each token of a packed row sits in the chunk grid (PyTorch paths).
+
+    Args:
+        offsets: host list of ``N + 1`` sequence offsets over a row of ``T`` tokens (for
+            ``B`` unpacked sequences of length ``T`` flattened: ``0, T, 2T, ..., BT``).
+        chunk_size: tokens per chunk.
+    Returns:
+        ``(chunk, position, NT)``: ``LongTensor [T]`` global chunk index of each token,
+        ``LongTensor [T]`` its row inside that chunk, and the number of chunks ``NT``.
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+    offsets = [int(x) for x in offsets]
+    lens = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int64)
+    counts = (lens + chunk_size - 1) // chunk_size
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int64), lens)
+    starts = torch.tensor(offsets[:-1], dtype=torch.int64)
+    local = torch.arange(offsets[-1], dtype=torch.int64) - starts[seq]
+    first_chunk = torch.cumsum(counts, 0) - counts
+    chunk = first_chunk[seq] + local // chunk_size
+    position = local % chunk_size
+    return chunk.to(device), position.to(device), int(counts.sum())

@@ -1,0 +1,266 @@
+"""Per-chunk inverse of a unit lower-triangular matrix: the T⁻¹ of the UT/WY transform.
+
+For each chunk of BT tokens and each head, ``A`` holds a strictly lower-triangular
+BT x BT block (row = token of the chunk, column = position inside the chunk) and
+
+    Ai = (I + A)⁻¹                                   (ALGORITHMS.md §1, "Tinv")
+
+is returned in the same layout: lower triangular with a unit diagonal and exact zeros
+above it.
+
+Kernel: one program per (chunk, head). The 16 x 16 diagonal blocks D_i = (I + A_ii)⁻¹
+are found by forward substitution (rows in order, each a vector-matrix product with the
+rows before it); the blocks below the diagonal follow from block forward substitution
+
+    X_ii = D_i,    X_ij = −D_i Σ_{j ≤ k < i} A_ik X_kj      (i > j)
+
+i.e. for two blocks [[A11, 0], [A21, A22]]⁻¹ = [[D1, 0], [−D2 A21 D1, D2]], with
+``tl.dot`` on 16 x 16 tiles in float32 ("ieee": tf32 would cost three digits).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.utils.cumsum import check_chunk_indices
+from fla.ops.utils.index import prepare_chunk_indices, prepare_token_chunk_positions
+from fla.utils.backend import Backend, select_backend
+from fla.utils.triton_facts import dot_precision
+from fla.utils.tuning import Config, tuned
+from fla.utils.validation import (
+    FLOAT_DTYPES,
+    Dims,
+    check_cu_seqlens,
+    check_positive_length,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+
+__all__ = ["solve_tril", "solve_tril_fwd", "CHUNK_SIZES"]
+
+# Chunk sizes with a kernel: multiples of the 16 x 16 block (tl.dot needs >= 16 per
+# side), up to 64 = four blocks, where the 16 block products are all written out.
+CHUNK_SIZES = (16, 32, 64)
+
+
+@triton.jit
+def _invert_diagonal_block(A, stride, first, L):
+    """(I + A_dd)⁻¹ for the 16 x 16 diagonal block starting at row/column ``first``.
+
+    ``A`` points at row 0, column 0 of the chunk; ``stride`` is the row stride; rows at
+    or past ``L`` (outside the sequence) count as zero rows.
+    """
+    o_i = tl.arange(0, 16)
+    rows = first + o_i
+    strict = o_i[:, None] > o_i[None, :]
+    b_A = tl.load(A + rows[:, None] * stride + rows[None, :],
+                  mask=(rows < L)[:, None] & strict, other=0).to(tl.float32)
+    # X = I + N with N strictly lower; row i of N is a + a·N with a = −A[i, :], which
+    # only reads rows < i of N (already final). Rows 0 and 1 need no work.
+    b_N = -b_A
+    for i in tl.static_range(2, 16):
+        # Columns < i of row i, none when the row is past the end. (Written as one
+        # comparison: the 3.9 interpreter turns `bool tensor & scalar bool` into int32.)
+        n_cols = tl.where(first + i < L, i, 0)
+        b_a = -tl.load(A + (first + i) * stride + first + o_i,
+                       mask=o_i < n_cols, other=0).to(tl.float32)
+        b_a += tl.sum(b_a[:, None] * b_N, 0)
+        b_N = tl.where((o_i == i)[:, None], b_a[None, :], b_N)
+    return b_N + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _load_block(A, stride, row_first, col_first, L):
+    """The 16 x 16 block of A at (row_first, col_first), below the diagonal, as fp32."""
+    o_i = tl.arange(0, 16)
+    rows = row_first + o_i
+    return tl.load(A + rows[:, None] * stride + (col_first + o_i)[None, :],
+                   mask=(rows < L)[:, None], other=0).to(tl.float32)
+
+
+@triton.jit
+def _store_block(Ai, stride, row_first, col_first, L, b_X):
+    o_i = tl.arange(0, 16)
+    rows = row_first + o_i
+    tl.store(Ai + rows[:, None] * stride + (col_first + o_i)[None, :],
+             b_X.to(Ai.dtype.element_ty), mask=(rows < L)[:, None])
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr):
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+def _default_config(args) -> Config:
+    # One warp: every step works on 16 x 16 tiles (8 values a thread), and the forward
+    # substitution and the small dots move data between layouts at each step, which
+    # costs a block-wide barrier per move with more warps. Measured on H100 (B=4,
+    # T=8192, H=32, fp32): BT=64 346 us at 1 warp, 555 at 2, 856 at 4; BT=16 90 / 272 /
+    # 330 us. Many small programs keep the SMs busy instead.
+    return Config(num_warps=1, num_stages=2)
+
+
+def _config_space(args) -> list[Config]:
+    return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4) for s in (2, 3)]
+
+
+@tuned(key=["A", "Ai", "BT"], default=_default_config, space=_config_space)
+@triton.jit(do_not_specialize=["T"])
+def solve_tril_kernel(
+    A,
+    Ai,
+    cu_seqlens,
+    chunk_indices,
+    T,
+    H: tl.constexpr,
+    BT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B * H)``; ``A``/``Ai`` are ``[B, T, H, BT]`` contiguous."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        i_c = i_t
+        bos = i_b.to(tl.int64) * T
+        seq_len = T
+    # Valid rows of this chunk; the last chunk of a sequence may be partial.
+    L = seq_len - i_c * BT
+    # int64: B * T * H * BT may exceed 2^31.
+    offset = ((bos + i_c * BT) * H + i_h) * BT
+    A += offset
+    Ai += offset
+    stride = H * BT
+
+    b_D1 = _invert_diagonal_block(A, stride, 0, L)
+    _store_block(Ai, stride, 0, 0, L, b_D1)
+    if BT >= 32:
+        b_zero = tl.zeros([16, 16], dtype=tl.float32)
+        b_D2 = _invert_diagonal_block(A, stride, 16, L)
+        b_X21 = -_dot(b_D2, _dot(_load_block(A, stride, 16, 0, L), b_D1, PRECISION), PRECISION)
+        _store_block(Ai, stride, 0, 16, L, b_zero)
+        _store_block(Ai, stride, 16, 0, L, b_X21)
+        _store_block(Ai, stride, 16, 16, L, b_D2)
+    if BT == 64:
+        b_D3 = _invert_diagonal_block(A, stride, 32, L)
+        b_D4 = _invert_diagonal_block(A, stride, 48, L)
+        b_A31 = _load_block(A, stride, 32, 0, L)
+        b_A32 = _load_block(A, stride, 32, 16, L)
+        b_A41 = _load_block(A, stride, 48, 0, L)
+        b_A42 = _load_block(A, stride, 48, 16, L)
+        b_A43 = _load_block(A, stride, 48, 32, L)
+        # Third block row: X3j = -D3 (A31 X1j + A32 X2j).
+        b_X32 = -_dot(b_D3, _dot(b_A32, b_D2, PRECISION), PRECISION)
+        b_X31 = -_dot(b_D3, _dot_acc(b_A32, b_X21, _dot(b_A31, b_D1, PRECISION), PRECISION),
+                      PRECISION)
+        # Fourth block row: X4j = -D4 (A41 X1j + A42 X2j + A43 X3j).
+        b_X43 = -_dot(b_D4, _dot(b_A43, b_D3, PRECISION), PRECISION)
+        b_X42 = -_dot(b_D4, _dot_acc(b_A43, b_X32, _dot(b_A42, b_D2, PRECISION), PRECISION),
+                      PRECISION)
+        b_S41 = _dot_acc(b_A42, b_X21, _dot(b_A41, b_D1, PRECISION), PRECISION)
+        b_X41 = -_dot(b_D4, _dot_acc(b_A43, b_X31, b_S41, PRECISION), PRECISION)
+        for j in tl.static_range(2, 4):
+            _store_block(Ai, stride, 0, j * 16, L, b_zero)
+            _store_block(Ai, stride, 16, j * 16, L, b_zero)
+        _store_block(Ai, stride, 32, 48, L, b_zero)
+        _store_block(Ai, stride, 32, 0, L, b_X31)
+        _store_block(Ai, stride, 32, 16, L, b_X32)
+        _store_block(Ai, stride, 32, 32, L, b_D3)
+        _store_block(Ai, stride, 48, 0, L, b_X41)
+        _store_block(Ai, stride, 48, 16, L, b_X42)
+        _store_block(Ai, stride, 48, 32, L, b_X43)
+        _store_block(Ai, stride, 48, 48, L, b_D4)
+
+
+def _solve_tril_triton(A, cu_seqlens, offsets, output_dtype, chunk_indices):
+    A = A.contiguous()
+    B, T, H, BT = A.shape
+    Ai = torch.empty(A.shape, dtype=output_dtype, device=A.device)
+    if cu_seqlens is not None:
+        if chunk_indices is None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=offsets)
+        NT = chunk_indices.shape[0]
+    else:
+        NT = triton.cdiv(T, BT)
+    solve_tril_kernel[(NT, B * H)](
+        A, Ai, cu_seqlens, chunk_indices, T, H=H, BT=BT, IS_VARLEN=cu_seqlens is not None,
+        PRECISION=dot_precision(torch.float32))
+    return Ai
+
+
+def _solve_tril_torch(A, offsets, output_dtype):
+    B, T, H, BT = A.shape
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    chunk, position, NT = prepare_token_chunk_positions(offsets, BT, A.device)
+    tiles = A.new_zeros(NT, BT, H, BT, dtype=torch.float32)
+    tiles[chunk, position] = A.reshape(B * T, H, BT).to(torch.float32)
+    # [NT, H, BT, BT]; padded rows stay zero, i.e. identity rows of I + A.
+    lower = torch.tril(tiles.transpose(1, 2), diagonal=-1)
+    eye = torch.eye(BT, dtype=torch.float32, device=A.device)
+    inverse = torch.linalg.solve_triangular(lower + eye, eye.expand_as(lower), upper=False,
+                                            unitriangular=True)
+    return inverse.transpose(1, 2)[chunk, position].reshape(A.shape).to(output_dtype)
+
+
+def solve_tril_fwd(A, cu_seqlens=None, output_dtype=torch.float32, chunk_indices=None,
+                   offsets=None):
+    """:func:`solve_tril` without input checks (for stages that validated already).
+
+    ``offsets`` is the host copy of ``cu_seqlens`` when the caller has it.
+    """
+    output_dtype = output_dtype or A.dtype
+    if select_backend(A) is Backend.TORCH:
+        if cu_seqlens is not None and offsets is None:
+            offsets = cu_seqlens.tolist()
+        return _solve_tril_torch(A, offsets, output_dtype)
+    return _solve_tril_triton(A, cu_seqlens, offsets, output_dtype, chunk_indices)
+
+
+def solve_tril(A: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+               output_dtype: torch.dtype | None = torch.float32,
+               chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """``(I + A)⁻¹`` for every chunk of ``BT`` tokens and every head.
+
+    Args:
+        A: ``[B, T, H, BT]`` with ``BT`` in (16, 32, 64) the chunk size; row ``t`` holds
+            the row of token ``t`` in its chunk's BT x BT matrix (columns = positions in
+            the chunk). Only the strictly lower triangle of the valid rows/columns is
+            read; fp32, fp16 or bf16.
+        cu_seqlens: ``LongTensor [N + 1]`` packed-sequence offsets (then ``B == 1``);
+            chunks restart at every sequence start.
+        output_dtype: dtype of the result (default float32; None: ``A``'s dtype). The
+            inverse is computed in float32 whatever the dtypes.
+        chunk_indices: optional ``prepare_chunk_indices(cu_seqlens, BT)``.
+    Returns:
+        ``Ai [B, T, H, BT]`` in ``output_dtype``: per chunk, ``(I + A)⁻¹``, lower
+        triangular with a unit diagonal; zeros above the diagonal and in the columns
+        past the end of a partial chunk.
+    """
+    check_tensor("A", A, ndim=4)
+    dims = Dims()
+    check_shape("A", A, "B T H BT", dims)
+    check_positive_length(dims, "B T H")
+    if dims["BT"] not in CHUNK_SIZES:
+        raise ValueError(f"A: expected the chunk size BT = A.shape[-1] in {CHUNK_SIZES}, got "
+                         f"shape {tuple(A.shape)}")
+    if output_dtype is not None and output_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"output_dtype: expected None or one of float32, float16, bfloat16, "
+                        f"got {output_dtype}")
+    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
+    if cu_seqlens is not None:
+        check_same_device(A=A, cu_seqlens=cu_seqlens)
+    check_chunk_indices(chunk_indices, cu_seqlens, A.device)
+    return solve_tril_fwd(A, cu_seqlens, output_dtype, chunk_indices, offsets)
