@@ -148,8 +148,13 @@ def test_count_of_objects_without_caches_is_zero():
 
 
 # ------------------------------------------------------------------------- dot_precision
-def test_dot_precision():
+def test_dot_precision(monkeypatch):
+    import fla.utils.triton_facts as facts
+
+    monkeypatch.setattr(facts, "is_interpreter", lambda: True)
     assert dot_precision(torch.float32) == "ieee"
+    monkeypatch.setattr(facts, "is_interpreter", lambda: False)
+    assert dot_precision(torch.float32) == "tf32x3"
     assert dot_precision(torch.float16) == "tf32"
     assert dot_precision(torch.bfloat16) == "tf32"
 

@@ -1,0 +1,299 @@
+"""Backward of the state pass of the chunked gated delta rule: the reverse pass over chunks.
+
+Forward (ALGORITHMS.md §1), per chunk with S the state entering it, γ the chunk-local
+cumulative log decay and γ_L its value at the chunk's last valid token:
+
+    Vn = U − W S
+    O  = scale·[ (Q ⊙ exp(γ)) S + (Q Kᵀ ⊙ Γ ⊙ causal_incl_diag) Vn ]
+    S' = exp(γ_L) S + (K ⊙ exp(γ_L − γ))ᵀ Vn
+
+Backward, from the last chunk to the first with the adjoint dS = ∂L/∂S' (starting from
+``dht``, the gradient of the final state, or 0):
+
+    dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS                   (``dv2``: the full gradient of Vn)
+    dS  ← exp(γ_L) dS + scale·(Q ⊙ exp(γ))ᵀ dO − Wᵀ dVn       (∂L/∂S, S entering the chunk)
+
+``dv_local`` is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s output. The gradient
+of ``initial_state`` is dS after the first chunk of each sequence.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.common.chunk_o_bwd import (
+    check_kernel_device,
+    tile_width,
+    varlen_chunk_indices_for,
+)
+from fla.ops.utils.index import prepare_chunk_offsets
+from fla.utils.triton_facts import dot_precision
+from fla.utils.tuning import Config, tuned
+
+__all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
+
+
+def _dhu_default(args) -> Config:
+    # dS lives in registers as up to four [64, BV] fp32 tiles: with K = 256 and 4 warps,
+    # BV = 32 keeps it at 64 registers per thread and leaves room for the operands.
+    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
+                  num_stages=2)
+
+
+def _dhu_space(args) -> list[Config]:
+    bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
+    # K > 128: three pipeline stages of the four [BT, 64] q/w/k tiles overflow the 228 KB
+    # of shared memory on H100/H200 (seen with Triton 3.6 at K = 256), so two only.
+    stages = (2, 3) if args["K"] <= 128 else (2,)
+    return [Config(BV=bv, num_warps=w, num_stages=s)
+            for bv in bvs for w in (2, 4, 8) for s in stages]
+
+
+@tuned(key=["k", "K", "V", "BT", "USE_G", "USE_INITIAL_STATE", "USE_FINAL_STATE_GRADIENT"],
+       default=_dhu_default, space=_dhu_space)
+@triton.jit(do_not_specialize=["T"])
+def chunk_gated_delta_rule_bwd_dhu_kernel(
+    q, k, w, g, dht, dh0, do, dh, dv, dv2, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
+
+    dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
+    a K × BV block cannot be one tile for K up to 256 without spilling.
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        NT = tl.cdiv(T, BT)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        NT = tl.cdiv(T, BT)
+        boh = i_n.to(tl.int64) * NT
+    dt = k.dtype.element_ty
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k1 = tl.arange(0, BK)
+    o_k2 = BK + o_k1
+    o_k3 = 2 * BK + o_k1
+    o_k4 = 3 * BK + o_k1
+    m_k1 = o_k1 < K
+    m_k2 = o_k2 < K
+    m_k3 = o_k3 < K
+    m_k4 = o_k4 < K
+
+    b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > BK:
+        b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > 2 * BK:
+        b_dh3 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > 3 * BK:
+        b_dh4 = tl.zeros([BK, BV], dtype=tl.float32)
+
+    state_base = i_nh.to(tl.int64) * K * V
+    # Pointer names are never reused across the chunk loop: a name assigned before a
+    # `for` and inside it is loop-carried and must keep its type (dht is fp32, dh is not).
+    if USE_FINAL_STATE_GRADIENT:
+        p_dht = dht + state_base + o_v[None, :]
+        b_dh1 += tl.load(p_dht + o_k1[:, None] * V, mask=m_k1[:, None] & m_v[None, :],
+                         other=0.).to(tl.float32)
+        if K > BK:
+            b_dh2 += tl.load(p_dht + o_k2[:, None] * V, mask=m_k2[:, None] & m_v[None, :],
+                             other=0.).to(tl.float32)
+        if K > 2 * BK:
+            b_dh3 += tl.load(p_dht + o_k3[:, None] * V, mask=m_k3[:, None] & m_v[None, :],
+                             other=0.).to(tl.float32)
+        if K > 3 * BK:
+            b_dh4 += tl.load(p_dht + o_k4[:, None] * V, mask=m_k4[:, None] & m_v[None, :],
+                             other=0.).to(tl.float32)
+
+    for i_t in range(NT - 1, -1, -1):
+        # dh[chunk] = ∂L/∂(state leaving the chunk), what chunk_bwd_dqkwg pairs with Vn.
+        p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_v[None, :]
+        tl.store(p_dh + o_k1[:, None] * V, b_dh1.to(dh.dtype.element_ty),
+                 mask=m_k1[:, None] & m_v[None, :])
+        if K > BK:
+            tl.store(p_dh + o_k2[:, None] * V, b_dh2.to(dh.dtype.element_ty),
+                     mask=m_k2[:, None] & m_v[None, :])
+        if K > 2 * BK:
+            tl.store(p_dh + o_k3[:, None] * V, b_dh3.to(dh.dtype.element_ty),
+                     mask=m_k3[:, None] & m_v[None, :])
+        if K > 3 * BK:
+            tl.store(p_dh + o_k4[:, None] * V, b_dh4.to(dh.dtype.element_ty),
+                     mask=m_k4[:, None] & m_v[None, :])
+
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        rows = bos + o_t                       # int64 token indices
+        last = tl.minimum((i_t + 1) * BT, T) - 1
+        if USE_G:
+            b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+            b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
+            # Decay from each token to the chunk's end: exponent γ_L − γ_t ≤ 0, masked first.
+            b_decay = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.)), 0.)
+
+        # dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
+        k_rows = rows[:, None] * (H * K) + i_h * K
+        b_dv2 = tl.zeros([BT, BV], dtype=tl.float32)
+        b_k = tl.load(k + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        b_dv2 += tl.dot(b_k, b_dh1.to(dt), input_precision=DOT_PRECISION)
+        if K > BK:
+            b_k = tl.load(k + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
+                          other=0.)
+            b_dv2 += tl.dot(b_k, b_dh2.to(dt), input_precision=DOT_PRECISION)
+        if K > 2 * BK:
+            b_k = tl.load(k + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
+                          other=0.)
+            b_dv2 += tl.dot(b_k, b_dh3.to(dt), input_precision=DOT_PRECISION)
+        if K > 3 * BK:
+            b_k = tl.load(k + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
+                          other=0.)
+            b_dv2 += tl.dot(b_k, b_dh4.to(dt), input_precision=DOT_PRECISION)
+        if USE_G:
+            b_dv2 *= b_decay[:, None]
+        v_off = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_dv2 += tl.load(dv + v_off, mask=m_tv, other=0.).to(tl.float32)
+        tl.store(dv2 + v_off, b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
+
+        # dS ← exp(γ_L) dS + scale·(Q ⊙ exp(γ))ᵀ dO − Wᵀ dVn
+        b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
+        b_dv2c = b_dv2.to(dt)
+        if USE_G:
+            b_qscale = scale * tl.exp(b_g)     # γ ≤ 0 in a chunk: exp(γ) ≤ 1
+            b_last = tl.exp(b_g_last)
+        else:
+            b_qscale = tl.full([BT], scale, dtype=tl.float32)
+
+        b_q = tl.load(q + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        b_w = tl.load(w + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+        if USE_G:
+            b_dh1 *= b_last
+        b_dh1 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
+        b_dh1 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+        if K > BK:
+            b_q = tl.load(q + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
+                          other=0.)
+            b_w = tl.load(w + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
+                          other=0.)
+            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_G:
+                b_dh2 *= b_last
+            b_dh2 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
+            b_dh2 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+        if K > 2 * BK:
+            b_q = tl.load(q + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
+                          other=0.)
+            b_w = tl.load(w + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
+                          other=0.)
+            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_G:
+                b_dh3 *= b_last
+            b_dh3 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
+            b_dh3 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+        if K > 3 * BK:
+            b_q = tl.load(q + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
+                          other=0.)
+            b_w = tl.load(w + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
+                          other=0.)
+            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_G:
+                b_dh4 *= b_last
+            b_dh4 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
+            b_dh4 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+
+    if USE_INITIAL_STATE:
+        p_dh0 = dh0 + state_base + o_v[None, :]
+        tl.store(p_dh0 + o_k1[:, None] * V, b_dh1.to(dh0.dtype.element_ty),
+                 mask=m_k1[:, None] & m_v[None, :])
+        if K > BK:
+            tl.store(p_dh0 + o_k2[:, None] * V, b_dh2.to(dh0.dtype.element_ty),
+                     mask=m_k2[:, None] & m_v[None, :])
+        if K > 2 * BK:
+            tl.store(p_dh0 + o_k3[:, None] * V, b_dh3.to(dh0.dtype.element_ty),
+                     mask=m_k3[:, None] & m_v[None, :])
+        if K > 3 * BK:
+            tl.store(p_dh0 + o_k4[:, None] * V, b_dh4.to(dh0.dtype.element_ty),
+                     mask=m_k4[:, None] & m_v[None, :])
+
+
+def chunk_gated_delta_rule_bwd_dhu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    dht: torch.Tensor | None,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
+
+    Args:
+        q, k, w: ``[B, T, H, K]`` (w = W of the WY form), fp32/fp16/bf16, K ≤ 256.
+        g: ``[B, T, H]`` chunk-local cumulative log decay γ (fp32), or None (no decay).
+        h0: the forward's ``initial_state`` ``[N, H, K, V]`` or None; only decides whether
+            ``dh0`` is computed.
+        dht: ``[N, H, K, V]`` gradient of the final state, or None (zero).
+        do: ``[B, T, H, V]`` gradient of the output.
+        dv: ``[B, T, H, V]`` intra-chunk gradient of Vn (``chunk_bwd_dv_local``).
+        scale: the output scale (default ``K ** -0.5``).
+        cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
+        chunk_size: BT (64).
+        chunk_indices: ``[NT, 2]`` rows for ``cu_seqlens`` (built here when None).
+
+    Returns:
+        ``(dh, dh0, dv2)``:
+        dh ``[B, NT, H, K, V]`` in k's dtype, ``dh[:, c]`` = ∂L/∂S' for the state S' *leaving*
+        chunk c (the adjoint the reverse pass carries into chunk c; what
+        ``chunk_bwd_dqkwg`` needs); with ``cu_seqlens`` B = 1 and NT counts the chunks of
+        all sequences;
+        dh0 ``[N, H, K, V]`` float32, ∂L/∂initial_state, or None when ``h0`` is None;
+        dv2 ``[B, T, H, V]`` in dv's dtype, the full gradient of Vn (= ∂L/∂U).
+    """
+    check_kernel_device(q, k, w, g, do, dv)
+    B, T, H, K = k.shape
+    V = do.shape[-1]
+    if K > 256:
+        raise ValueError(f"k: expected head dimension K <= 256, got {K}")
+    BT = chunk_size
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, w, do, dv = (x.contiguous() for x in (q, k, w, do, dv))
+    g = None if g is None else g.contiguous()
+    if cu_seqlens is not None:
+        chunk_indices = varlen_chunk_indices_for(cu_seqlens, BT, chunk_indices)
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, BT).to(k.device)
+        N, NT = cu_seqlens.numel() - 1, chunk_indices.shape[0]
+    else:
+        chunk_offsets = None
+        N, NT = B, triton.cdiv(T, BT)
+    if dht is not None:
+        dht = dht.contiguous()
+    dh = k.new_empty(B, NT, H, K, V)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if h0 is not None else None
+    dv2 = torch.empty_like(dv)
+    BK = tile_width(K, 64)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), N * H)
+
+    chunk_gated_delta_rule_bwd_dhu_kernel[grid](
+        q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
+        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
+        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None,
+        USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+    )
+    return dh, dh0, dv2
