@@ -1,0 +1,173 @@
+"""Chunked gated delta rule (training and prefill): the stages chained with autograd.
+
+Forward, per chunk of BT = 64 tokens (ALGORITHMS.md §1, chunked form):
+
+    γ   = chunk_local_cumsum(g)                        fla.ops.utils.cumsum
+    A   = strict_lower(diag(β) K Kᵀ ⊙ Γ)               fla.ops.common.chunk_scaled_dot_kkt
+    A   = (I + A)⁻¹                                    fla.ops.utils.solve_tril
+    W,U = A diag(β)(K ⊙ e^γ), A diag(β) V              fla.ops.gated_delta_rule.wy_fast
+    h, Vn, S_T = state pass over chunks                fla.ops.common.chunk_delta_h
+    O   = scale[(Q ⊙ e^γ) h + (Q Kᵀ ⊙ Γ) Vn]           fla.ops.common.chunk_o
+
+The backward keeps only q, k, v, γ, β, the inverted A and the initial state: W, U, the
+per-chunk states h and Vn are recomputed (one more forward state pass) instead of stored,
+which saves [B, NT, H, K, V] + 2·[B, T, H, ·] activations per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+from fla.ops.common import chunk_torch
+from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
+from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
+from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.index import prepare_chunk_indices
+from fla.ops.utils.l2norm import l2norm
+from fla.ops.utils.solve_tril import solve_tril
+from fla.utils.backend import Backend, select_backend
+
+CHUNK_SIZE = 64
+
+
+def _forward(q, k, v, g_cum, beta, scale, initial_state, output_final_state, cu_seqlens,
+             chunk_indices):
+    A = chunk_scaled_dot_kkt_fwd(k, beta, g_cum, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
+                                 output_dtype=torch.float32, chunk_indices=chunk_indices)
+    A = solve_tril(A, cu_seqlens=cu_seqlens, output_dtype=k.dtype, chunk_indices=chunk_indices)
+    w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, cu_seqlens=cu_seqlens,
+                             chunk_indices=chunk_indices)
+    h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+        k, w, u, g_cum, initial_state, output_final_state, chunk_size=CHUNK_SIZE,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    o = chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
+                    chunk_indices=chunk_indices)
+    return o, A, final_state
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+                chunk_indices):
+        g_cum = None if g is None else chunk_local_cumsum(
+            g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        o, A, final_state = _forward(q, k, v, g_cum, beta, scale, initial_state,
+                                     output_final_state, cu_seqlens, chunk_indices)
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices)
+        ctx.scale = scale
+        ctx.g_dtype = None if g is None else g.dtype
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+        scale = ctx.scale
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
+                                                   chunk_size=CHUNK_SIZE, **varlen)
+        dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
+        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv,
+                                                     scale, chunk_size=CHUNK_SIZE, **varlen)
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
+                                         chunk_size=CHUNK_SIZE, **varlen)
+        dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
+        dk = dk + dk_wy
+        if g_cum is not None:
+            # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
+            dg = chunk_local_cumsum(dg + dg_wy, CHUNK_SIZE, reverse=True,
+                                    output_dtype=ctx.g_dtype, **varlen)
+        return (dq, dk, dv, dg, dbeta.to(beta.dtype),
+                None if initial_state is None else dh0.to(initial_state.dtype),
+                None, None, None, None)
+
+
+def _chunk_torch(x: GatedDeltaInputs, output_final_state: bool):
+    """The PyTorch path: the same chunk stages in tensor algebra, autograd through them."""
+    offsets = x.seq_offsets
+    g_cum = None if x.g is None else chunk_local_cumsum(x.g, CHUNK_SIZE, cu_seqlens=x.cu_seqlens)
+    A = chunk_torch.chunk_scaled_dot_kkt_fwd_torch(x.k, x.beta, g_cum, offsets, CHUNK_SIZE)
+    A = solve_tril(A, cu_seqlens=x.cu_seqlens, output_dtype=torch.float32)
+    w, u = chunk_torch.recompute_w_u_fwd_torch(x.k, x.v, x.beta, A, g_cum, offsets, CHUNK_SIZE)
+    h, v_new, final_state = chunk_torch.chunk_gated_delta_rule_fwd_h_torch(
+        x.k, w, u, g_cum, x.initial_state, output_final_state, offsets, CHUNK_SIZE)
+    o = chunk_torch.chunk_fwd_o_torch(x.q, x.k, v_new, h, g_cum, x.scale, offsets, CHUNK_SIZE)
+    return o, final_state
+
+
+def chunk_gated_delta_rule_on_inputs(x: GatedDeltaInputs, output_final_state: bool,
+                                     use_qk_l2norm_in_kernel: bool):
+    """Run validated inputs (see :func:`prepare_gated_delta_inputs`) through the chunked
+    algorithm; returns time-major ``(o, final_state)``."""
+    q, k = x.q, x.k
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if x.HV != x.H:
+        # Grouped value heads: each q/k head serves HV // H value heads. The chunk stages
+        # work on matched heads, so q and k are repeated (autograd sums their gradients).
+        q = q.repeat_interleave(x.HV // x.H, dim=2)
+        k = k.repeat_interleave(x.HV // x.H, dim=2)
+    beta = x.beta if x.beta is not None else torch.ones_like(x.v[..., 0])
+    x = GatedDeltaInputs(**{**x.__dict__, "q": q, "k": k, "beta": beta})
+    if select_backend(x.q, x.v) is Backend.TORCH:
+        return _chunk_torch(x, output_final_state)
+    chunk_indices = (None if x.cu_seqlens is None else
+                     prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
+    return ChunkGatedDeltaRuleFunction.apply(q, k, x.v, x.g, beta, x.initial_state, x.scale,
+                                             output_final_state, x.cu_seqlens, chunk_indices)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None = None, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+    head_first: bool = False, use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""The gated delta rule over whole sequences, computed chunk by chunk.
+
+    For every sequence n and value head j, from ``S_0 = initial_state[n, j]`` (zeros if
+    None)::
+
+        S_t = exp(g_t) · S_{t-1}
+        S_t = S_t + β_t · k_t ⊗ (v_t − S_tᵀ k_t)
+        o_t = scale · S_tᵀ q_t
+
+    Args:
+        q, k: ``[B, T, H, K]`` (``[B, H, T, K]`` with ``head_first=True``), K ≤ 256.
+        v: ``[B, T, HV, V]``, V ≤ 256, HV a multiple of H (grouped value heads).
+        g: ``[B, T, HV]`` natural-log decay per token (≤ 0; fp32 recommended); None for
+            no decay (the delta rule).
+        beta: ``[B, T, HV]`` write strength, usually in (0, 1); None means 1.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (float32 recommended); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        head_first: inputs and output are ``[B, H, T, ...]``.
+        use_qk_l2norm_in_kernel: normalise q, k to unit L2 norm first
+            (``x · rsqrt(‖x‖² + 1e-6)``); gradients flow through it.
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, HV, V]`` in v's dtype; ``final_state [N, HV, K, V]``
+        float32, or None unless ``output_final_state``. Differentiable in q, k, v, g,
+        beta and initial_state.
+
+    CUDA tensors run the Triton kernels; CPU tensors run the same chunked algorithm in
+    PyTorch (or the kernels themselves under ``TRITON_INTERPRET=1``).
+    """
+    x = prepare_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                   head_first)
+    o, final_state = chunk_gated_delta_rule_on_inputs(x, output_final_state,
+                                                      use_qk_l2norm_in_kernel)
+    if head_first:
+        o = o.transpose(1, 2)
+    return o, final_state
