@@ -167,8 +167,8 @@ def recompute_w_u_fwd(
     k, v, beta, A = k.contiguous(), v.contiguous(), beta.contiguous(), A.contiguous()
     g = None if g is None else g.contiguous()
     if offsets is not None:
-        chunk_indices = varlen_chunk_indices(offsets, BT, k.device, chunk_indices)
         cu_seqlens = cu_seqlens.to(k.device)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, offsets, BT, chunk_indices)
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None

@@ -1,0 +1,295 @@
+"""Stage 3 of the chunked gated delta rule (ALGORITHMS.md §1): the state pass.
+
+The only sequential part. For each chunk in order, with S the state entering it and γ
+the chunk-local cumulative log decay (γ_C at the chunk's last valid token):
+
+    h[chunk] = S
+    Vn       = U − W · S
+    S        ← exp(γ_C) · S + (K ⊙ exp(γ_C − γ))ᵀ · Vn
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.common.chunk_torch import (
+    chunk_gated_delta_rule_fwd_h_torch,
+    check_chunk_size,
+    tile_width,
+    varlen_chunk_offsets,
+)
+from fla.utils.backend import Backend, select_backend
+from fla.utils.triton_facts import dot_precision
+from fla.utils.tuning import Config, tuned
+from fla.utils.validation import (
+    Dims,
+    check_cu_seqlens,
+    check_dtype,
+    check_head_dim,
+    check_positive_length,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    token_layout,
+)
+
+__all__ = ["chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_fwd_h_kernel"]
+
+
+def _default(args) -> Config:
+    # The K×BV fp32 state lives in registers for the whole sequence: K·BV/(32·warps)
+    # registers per thread. BV = 64 up to K = 128 and 32 beyond keeps it at 64 per
+    # thread with 4 warps (K = 256: 4 tiles of 64×32), leaving room for the W, K and
+    # Vn operand tiles without spilling.
+    width = 64 if args["K"] <= 128 else 32
+    return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
+
+
+def _space(args) -> list[Config]:
+    # Each pipeline stage buffers one chunk of W and K (BT×K each) and of U (BT×BV) in
+    # shared memory: deeper pipelines than ~170 KB of stage buffers do not fit H100's
+    # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most).
+    k = args.get("k")
+    size = k.element_size() if isinstance(k, torch.Tensor) else 2
+    configs = []
+    for bv in (32, 64):
+        BV = tile_width(args["V"], bv)
+        per_stage = args.get("BT", 64) * (2 * args["K"] + BV) * size
+        for s in (1, 2, 3, 4):
+            if s == 1 or s * per_stage <= 170 * 1024:
+                configs += [Config(BV=BV, num_warps=w, num_stages=s) for w in (2, 4, 8)]
+    return list(dict.fromkeys(configs))
+
+
+@tuned(key=["K", "V", "BT", "k"], default=_default, space=_space)
+@triton.jit(do_not_specialize=["T"])
+def chunk_gated_delta_rule_fwd_h_kernel(
+    k, w, u, g, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    SAVE_NEW_VALUE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (V tile, head, sequence), looping over the sequence's chunks.
+
+    The K×BV state is held as up to four BK×BV fp32 accumulators (K ≤ 4·BK = 256): one
+    2-D tile per 64 rows keeps every ``tl.dot`` at a 64-wide reduction and lets the
+    compiler drop the tiles a small K does not need.
+    """
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        NT = tl.cdiv(T, BT)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        NT = tl.cdiv(T, BT)
+        boh = i_n.to(tl.int64) * NT
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    # Offsets of the state's first BK×BV tile inside one [K, V] matrix; tile j adds j·BK·V.
+    o_s = o_k[:, None] * V + o_v[None, :]
+    m_s1 = (o_k < K)[:, None] & m_v[None, :]
+    m_s2 = (BK + o_k < K)[:, None] & m_v[None, :]
+    m_s3 = (2 * BK + o_k < K)[:, None] & m_v[None, :]
+    m_s4 = (3 * BK + o_k < K)[:, None] & m_v[None, :]
+
+    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > BK:
+        b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > 2 * BK:
+        b_h3 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K > 3 * BK:
+        b_h4 = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        p_h0 = h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        b_h1 += tl.load(p_h0, mask=m_s1, other=0.).to(tl.float32)
+        if K > BK:
+            b_h2 += tl.load(p_h0 + BK * V, mask=m_s2, other=0.).to(tl.float32)
+        if K > 2 * BK:
+            b_h3 += tl.load(p_h0 + 2 * BK * V, mask=m_s3, other=0.).to(tl.float32)
+        if K > 3 * BK:
+            b_h4 += tl.load(p_h0 + 3 * BK * V, mask=m_s4, other=0.).to(tl.float32)
+
+    for i_t in range(NT):
+        row0 = bos + i_t * BT
+        m_t = (i_t * BT + o_t) < T
+
+        # h[chunk] = the state entering it.
+        p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_s
+        tl.store(p_h, b_h1.to(h.dtype.element_ty), mask=m_s1)
+        if K > BK:
+            tl.store(p_h + BK * V, b_h2.to(h.dtype.element_ty), mask=m_s2)
+        if K > 2 * BK:
+            tl.store(p_h + 2 * BK * V, b_h3.to(h.dtype.element_ty), mask=m_s3)
+        if K > 3 * BK:
+            tl.store(p_h + 3 * BK * V, b_h4.to(h.dtype.element_ty), mask=m_s4)
+
+        # Vn = U − W·S (16-bit operands, fp32 accumulation).
+        p_w = w + (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
+        b_w = tl.load(p_w, mask=m_t[:, None] & (o_k < K)[None, :], other=0.)
+        b_v = tl.dot(b_w, b_h1.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+        if K > BK:
+            b_w = tl.load(p_w + BK, mask=m_t[:, None] & (BK + o_k < K)[None, :], other=0.)
+            b_v += tl.dot(b_w, b_h2.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+        if K > 2 * BK:
+            b_w = tl.load(p_w + 2 * BK, mask=m_t[:, None] & (2 * BK + o_k < K)[None, :],
+                          other=0.)
+            b_v += tl.dot(b_w, b_h3.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+        if K > 3 * BK:
+            b_w = tl.load(p_w + 3 * BK, mask=m_t[:, None] & (3 * BK + o_k < K)[None, :],
+                          other=0.)
+            b_v += tl.dot(b_w, b_h4.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+        o_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(u + o_tv, mask=m_tv, other=0.).to(tl.float32) - b_v
+        if SAVE_NEW_VALUE:
+            tl.store(v_new + o_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
+
+        if USE_G:
+            # Decay to the chunk's last valid token; every exponent is a difference
+            # γ_C − γ_t ≤ 0 (rows past the end are masked before they could overflow).
+            last = tl.minimum((i_t + 1) * BT, T) - 1
+            b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
+            b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+            b_v = b_v * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
+            b_decay = tl.exp(b_g_last)
+            b_h1 *= b_decay
+            if K > BK:
+                b_h2 *= b_decay
+            if K > 2 * BK:
+                b_h3 *= b_decay
+            if K > 3 * BK:
+                b_h4 *= b_decay
+        b_v = b_v.to(k.dtype.element_ty)
+
+        # S += Kᵀ·Vn: K read transposed as [BK, BT] tiles straight from memory.
+        p_k = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
+        b_k = tl.load(p_k, mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
+        b_h1 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
+        if K > BK:
+            b_k = tl.load(p_k + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :], other=0.)
+            b_h2 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
+        if K > 2 * BK:
+            b_k = tl.load(p_k + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
+                          other=0.)
+            b_h3 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
+        if K > 3 * BK:
+            b_k = tl.load(p_k + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
+                          other=0.)
+            b_h4 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
+
+    if STORE_FINAL_STATE:
+        p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        tl.store(p_ht, b_h1, mask=m_s1)
+        if K > BK:
+            tl.store(p_ht + BK * V, b_h2, mask=m_s2)
+        if K > 2 * BK:
+            tl.store(p_ht + 2 * BK * V, b_h3, mask=m_s3)
+        if K > 3 * BK:
+            tl.store(p_ht + 3 * BK * V, b_h4, mask=m_s4)
+
+
+def chunk_gated_delta_rule_fwd_h(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    save_new_value: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    head_first: bool = False,
+    chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The sequential pass over chunks of the gated delta rule (ALGORITHMS.md §1).
+
+    Args:
+        k, w: ``[B, T, H, K]`` keys and the W factor (same dtype: fp32/fp16/bf16), K ≤ 256.
+        u: ``[B, T, H, V]`` the U factor (k's dtype), V ≤ 256.
+        g: ``[B, T, H]`` chunk-local cumulative natural-log decay γ, what
+            ``chunk_local_cumsum`` returns (None: no decay).
+        initial_state: ``[N, H, K, V]`` state before the first token (N = B, or the
+            number of sequences with ``cu_seqlens``); None: zeros.
+        output_final_state: also return the state after the last token.
+        chunk_size: BT, a power of two in [16, 256].
+        save_new_value: return ``v_new`` (else None).
+        cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1); each sequence starts
+            from its own initial state and its last chunk may be partial.
+        head_first: inputs are ``[B, H, T, ...]``; then h is returned ``[B, H, NT, K, V]``
+            and v_new ``[B, H, T, V]``.
+        chunk_indices: accepted for symmetry with the other stages; the state pass runs
+            one program per sequence and needs only the per-sequence chunk offsets.
+
+    Returns:
+        ``(h, v_new, final_state)``: h ``[B, NT, H, K, V]`` (``[1, NT_total, H, K, V]``
+        under varlen, indexed by the global chunk index) the state entering each chunk,
+        in k's dtype; v_new ``[B, T, H, V]`` = U − W·h in u's dtype, or None;
+        final_state ``[N, H, K, V]`` float32, or None.
+    """
+    check_tensor("k", k)
+    dims = Dims()
+    check_shape("k", k, token_layout("B T H K", head_first), dims)
+    check_positive_length(dims)
+    check_head_dim("k", dims["K"], "K")
+    check_tensor("w", w)
+    check_dtype("w", w, (k.dtype,))
+    check_shape("w", w, token_layout("B T H K", head_first), dims)
+    check_tensor("u", u)
+    check_dtype("u", u, (k.dtype,))
+    check_shape("u", u, token_layout("B T H V", head_first), dims)
+    check_head_dim("u", dims["V"], "V")
+    if g is not None:
+        check_tensor("g", g)
+        check_shape("g", g, token_layout("B T H", head_first), dims)
+    check_same_device(k=k, w=w, u=u, g=g, initial_state=initial_state)
+    BT = check_chunk_size(chunk_size)
+    B, T, H, K, V = dims["B"], dims["T"], dims["H"], dims["K"], dims["V"]
+    offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
+    N = B if offsets is None else len(offsets) - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state)
+        dims["N"] = N
+        dims.source["N"] = "cu_seqlens (N sequences)" if offsets is not None else "k (N = B)"
+        check_shape("initial_state", initial_state, "N H K V", dims)
+
+    if head_first:
+        k, w, u = (x.transpose(1, 2) for x in (k, w, u))
+        g = None if g is None else g.transpose(1, 2)
+
+    if select_backend(k, w, u, g, initial_state) is Backend.TORCH:
+        h, v_new, final_state = chunk_gated_delta_rule_fwd_h_torch(
+            k, w, u, g, initial_state, output_final_state, offsets, BT, save_new_value)
+    else:
+        k, w, u = k.contiguous(), w.contiguous(), u.contiguous()
+        g = None if g is None else g.contiguous()
+        h0 = None if initial_state is None else initial_state.contiguous()
+        if offsets is not None:
+            cu_seqlens = cu_seqlens.to(k.device)
+            chunk_offsets = varlen_chunk_offsets(cu_seqlens, offsets, BT)
+            NT = sum(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
+        else:
+            chunk_offsets = None
+            NT = triton.cdiv(T, BT)
+        h = torch.empty(B, NT, H, K, V, dtype=k.dtype, device=k.device)
+        v_new = torch.empty_like(u) if save_new_value else None
+        final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
+                       if output_final_state else None)
+        chunk_gated_delta_rule_fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+            k=k, w=w, u=u, g=g, h=h, v_new=v_new, h0=h0, ht=final_state,
+            cu_seqlens=cu_seqlens if offsets is not None else None,
+            chunk_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=BT,
+            BK=tile_width(K, 64), USE_G=g is not None, USE_INITIAL_STATE=h0 is not None,
+            STORE_FINAL_STATE=output_final_state, SAVE_NEW_VALUE=save_new_value,
+            IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),
+        )
+    if head_first:
+        h = h.transpose(1, 2)
+        v_new = None if v_new is None else v_new.transpose(1, 2)
+    return h, v_new, final_state
