@@ -45,6 +45,12 @@ TRITON_VERSION_STRING: str = triton.__version__
 HAS_BLOCK_PTR: bool = TRITON_VERSION < (3, 9, 0) and hasattr(tl, "make_block_ptr")
 HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
 
+# The narrowest tile side our kernels give ``tl.dot``. Triton accepts 16, but Triton 3.6
+# on H100 miscompiled a [64, 64] x [64, 16] fp16 product (compute-sanitizer: an
+# out-of-bounds shared-memory read, then an illegal address); 32 with masked columns
+# costs nothing at real head sizes (>= 64).
+MIN_DOT_TILE = 32
+
 # In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it.
 INTERPRETER_BF16_DOT_IS_WRONG: bool = True
 

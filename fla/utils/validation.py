@@ -15,6 +15,7 @@ use and compared afterwards, so one helper checks every tensor of every family::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ MAX_HEAD_DIM = 256
 __all__ = [
     "Dims", "FLOAT_DTYPES", "INDEX_DTYPES", "MAX_HEAD_DIM", "check_tensor", "check_dtype",
     "check_shape", "check_same_device", "check_head_dim", "check_time_major",
-    "check_cu_seqlens", "check_positive_length", "token_layout", "check_scale",
+    "check_cu_seqlens", "read_offsets", "check_positive_length", "token_layout", "check_scale",
 ]
 
 
@@ -161,13 +162,36 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+# id(cu_seqlens) -> (weak reference, version counter, values on the host). One training
+# step passes the same cu_seqlens to a dozen kernel stages: reading it once, not once per
+# stage, saves a device synchronisation each time. (Not a WeakKeyDictionary: it compares
+# keys with ==, which tensors answer elementwise.)
+_HOST_OFFSETS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def read_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as a host list, read from the device once per tensor and version."""
+    key, version = id(cu_seqlens), cu_seqlens._version
+    cached = _HOST_OFFSETS.get(key)
+    if cached is not None and cached[0]() is cu_seqlens and cached[1] == version:
+        return list(cached[2])
+    values = cu_seqlens.tolist()
+    try:
+        ref = weakref.ref(cu_seqlens, lambda _, key=key: _HOST_OFFSETS.pop(key, None))
+    except TypeError:  # no weak references to this object: just don't cache
+        return values
+    _HOST_OFFSETS[key] = (ref, version, values)
+    return list(values)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, *, T: int, B: int,
                      name: str = "cu_seqlens") -> list[int] | None:
     """Validate packed-sequence boundaries; returns them as a host list (None if None).
 
     Rules: 1-D int32/int64, at least two entries, starts at 0, strictly increasing, ends
     at T, and the batch holds a single packed row (B == 1). The values are read on the
-    host once here; callers reuse the returned list (chunk indices, sequence count).
+    host once per tensor (cached while the tensor is unchanged); callers reuse the
+    returned list (chunk indices, sequence count).
     """
     if cu_seqlens is None:
         return None
@@ -183,7 +207,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, *, T: int, B: int,
     if B != 1:
         raise ValueError(f"{name}: packed sequences need the batch size B == 1 (all sequences "
                          f"concatenated along T), got B = {B}")
-    values = cu_seqlens.tolist()
+    values = read_offsets(cu_seqlens)
     if values[0] != 0:
         raise ValueError(f"{name}: expected the first offset to be 0, got {values[0]}")
     for i in range(1, len(values)):

@@ -6,11 +6,7 @@ import pytest
 import torch
 
 from fla.ops.delta_rule import chunk_delta_rule, naive_recurrent_delta_rule
-from fla.ops.gated_delta_rule import (
-    chunk_gated_delta_rule,
-    fused_recurrent_gated_delta_rule,
-    naive_recurrent_gated_delta_rule,
-)
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fla.utils.triton_facts import compiled_kernel_count
 from tests.helpers import assert_rel_close, cu_seqlens_of, generator, odd_length, uneven_lengths
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, compare, make_inputs, run

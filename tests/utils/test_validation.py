@@ -304,3 +304,26 @@ def test_scale_refuses_a_tensor_of_several_values():
     with pytest.raises(ValueError, match=m("scale: expected a number, got a tensor of shape "
                                            "(2,)")):
         check_scale(torch.tensor([0.1, 0.2]), 1.0)
+
+
+def test_cu_seqlens_is_read_once_per_tensor_and_again_after_a_change(monkeypatch):
+    from fla.utils import validation
+
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(1)
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    cu = torch.tensor([0, 3, 10])
+    for _ in range(5):
+        assert validation.check_cu_seqlens(cu, T=10, B=1) == [0, 3, 10]
+    assert len(reads) == 1
+    cu[1] = 4                                    # in-place change: read again
+    assert validation.check_cu_seqlens(cu, T=10, B=1) == [0, 4, 10]
+    assert len(reads) == 2
+    cu[2] = 9                                    # and a now-invalid value is still refused
+    with pytest.raises(ValueError, match="last offset"):
+        validation.check_cu_seqlens(cu, T=10, B=1)

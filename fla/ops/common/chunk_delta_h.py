@@ -13,12 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_torch import (
-    chunk_gated_delta_rule_fwd_h_torch,
-    check_chunk_size,
-    tile_width,
-    varlen_chunk_offsets,
-)
+from fla.ops.common.chunk_torch import chunk_gated_delta_rule_fwd_h_torch
+from fla.ops.utils.index import varlen_chunk_offsets
+from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -272,7 +269,7 @@ def chunk_gated_delta_rule_fwd_h(
         h0 = None if initial_state is None else initial_state.contiguous()
         if offsets is not None:
             cu_seqlens = cu_seqlens.to(k.device)
-            chunk_offsets = varlen_chunk_offsets(cu_seqlens, offsets, BT)
+            chunk_offsets = varlen_chunk_offsets(cu_seqlens, BT, offsets)
             NT = sum(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
         else:
             chunk_offsets = None

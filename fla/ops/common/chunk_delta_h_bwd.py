@@ -22,11 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_o_bwd import (
-    check_kernel_device,
-    tile_width,
-    varlen_chunk_indices_for,
-)
+from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -273,7 +270,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     q, k, w, do, dv = (x.contiguous() for x in (q, k, w, do, dv))
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
-        chunk_indices = varlen_chunk_indices_for(cu_seqlens, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, BT).to(k.device)
         N, NT = cu_seqlens.numel() - 1, chunk_indices.shape[0]
     else:

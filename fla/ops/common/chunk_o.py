@@ -13,12 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_torch import (
-    check_chunk_size,
-    chunk_fwd_o_torch,
-    tile_width,
-    varlen_chunk_indices,
-)
+from fla.ops.common.chunk_torch import chunk_fwd_o_torch
+from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -173,7 +170,7 @@ def chunk_fwd_o(
     g = None if g is None else g.contiguous()
     if offsets is not None:
         cu_seqlens = cu_seqlens.to(q.device)
-        chunk_indices = varlen_chunk_indices(cu_seqlens, offsets, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices, offsets)
     else:
         chunk_indices = None
     NT = dims["NT"]

@@ -17,45 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import prepare_chunk_indices
-from fla.utils.triton_facts import dot_precision, is_interpreter
+from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_bwd_dv_local", "chunk_bwd_dv_local_kernel", "chunk_bwd_dqkwg",
-           "chunk_bwd_dqkwg_kernel", "varlen_chunk_indices_for",
-           "check_kernel_device", "tile_width"]
-
-
-def tile_width(size: int, cap: int) -> int:
-    """Power-of-two tile width for a dimension of ``size``: at most ``cap``, at least 32.
-
-    ``tl.dot`` accepts 16-wide operands, but Triton 3.6 on H100 miscompiles this file's
-    [64, 64] x [64, 16] fp16 product (compute-sanitizer: out-of-bounds shared-memory read,
-    then an illegal address); a 32-wide tile with the extra columns masked costs nothing
-    at real head sizes (≥ 64). Shared by all backward chunk stages."""
-    return max(32, min(cap, triton.next_power_of_2(size)))
-
-
-def check_kernel_device(*tensors: torch.Tensor | None) -> None:
-    """The backward stages are Triton kernels only: CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1`` (the PyTorch path differentiates its forward instead)."""
-    if is_interpreter():
-        return
-    for t in tensors:
-        if t is not None and not t.is_cuda:
-            raise ValueError("chunk backward stages run Triton kernels: expected CUDA tensors "
-                             f"(or TRITON_INTERPRET=1 for CPU tensors), got a tensor on {t.device}")
-
-
-def varlen_chunk_indices_for(cu_seqlens: torch.Tensor, chunk_size: int,
-                             chunk_indices: torch.Tensor | None) -> torch.Tensor:
-    """``[NT, 2]`` (sequence, chunk within sequence) rows for ``cu_seqlens``: the caller's
-    table (checked for shape) or a new one from ``fla.ops.utils.index``."""
-    if chunk_indices is None:
-        return prepare_chunk_indices(cu_seqlens, chunk_size).to(cu_seqlens.device)
-    if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2 or chunk_indices.shape[0] < 1:
-        raise ValueError(f"chunk_indices: expected shape [NT, 2], got {tuple(chunk_indices.shape)}")
-    return chunk_indices.contiguous()
+           "chunk_bwd_dqkwg_kernel"]
 
 
 def _dv_local_default(args) -> Config:
@@ -155,7 +123,7 @@ def chunk_bwd_dv_local(
     q, k, do = q.contiguous(), k.contiguous(), do.contiguous()
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
-        chunk_indices = varlen_chunk_indices_for(cu_seqlens, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
@@ -327,7 +295,7 @@ def chunk_bwd_dqkwg(
     q, k, v_new, w, h, dv2, do, dh = (x.contiguous() for x in (q, k, v_new, w, h, dv2, do, dh))
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
-        chunk_indices = varlen_chunk_indices_for(cu_seqlens, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None

@@ -12,12 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_torch import (
-    check_chunk_size,
-    tile_width,
-    chunk_scaled_dot_kkt_fwd_torch,
-    varlen_chunk_indices,
-)
+from fla.ops.common.chunk_torch import chunk_scaled_dot_kkt_fwd_torch
+from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -144,7 +141,7 @@ def chunk_scaled_dot_kkt_fwd(
     g = None if g is None else g.contiguous()
     if offsets is not None:
         cu_seqlens = cu_seqlens.to(k.device)
-        chunk_indices = varlen_chunk_indices(cu_seqlens, offsets, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices, offsets)
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None

@@ -13,9 +13,6 @@ Inputs are already validated and time-major (``[B, T, H, ...]``); ``offsets`` is
 copy of ``cu_seqlens`` (None: B sequences of length T). ``g`` is always the chunk-local
 cumulative log decay γ. Arithmetic runs in float32 (float64 stays float64) and uses no
 in-place update of a tensor autograd needs, so gradients flow through these functions.
-
-The small helpers at the end (chunk-size check, varlen chunk indices and offsets) are
-shared by the Triton launchers of the same stages.
 """
 from __future__ import annotations
 
@@ -23,12 +20,9 @@ from typing import Callable
 
 import torch
 
-from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
-
 __all__ = [
     "chunk_scaled_dot_kkt_fwd_torch", "recompute_w_u_fwd_torch",
     "chunk_gated_delta_rule_fwd_h_torch", "chunk_fwd_o_torch",
-    "check_chunk_size", "tile_width", "varlen_chunk_indices", "varlen_chunk_offsets",
 ]
 
 
@@ -194,49 +188,3 @@ def chunk_fwd_o_torch(q, k, v_new, h, g=None, scale=1.0, offsets=None, chunk_siz
                              None if g is None else g[:, sl], scale, chunk_size))
         first += nt
     return torch.cat(pieces, dim=1)
-
-
-# ------------------------------------------------------- helpers shared by the launchers
-def check_chunk_size(chunk_size) -> int:
-    """Chunk sizes are powers of two in [16, 256]: ``tl.arange`` needs a power of two and
-    ``tl.dot`` operands at least 16 wide; beyond 256 the BT×BT tiles leave the registers."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
-    if chunk_size < 16 or chunk_size > 256 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size: expected a power of two in [16, 256], got {chunk_size}")
-    return chunk_size
-
-
-def tile_width(size: int, cap: int) -> int:
-    """A power-of-two tile width for a dimension of ``size``: at most ``cap``, at least 16
-    (the smallest ``tl.dot`` operand side); loads mask the columns past ``size``."""
-    width = 16
-    while width < size and width < cap:
-        width *= 2
-    return width
-
-
-def varlen_chunk_indices(cu_seqlens: torch.Tensor, offsets: list[int], chunk_size: int,
-                         chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
-    """``[NT, 2]`` rows (sequence index, chunk index within the sequence) for the packed
-    sequences, on ``cu_seqlens``' device. A caller's ``chunk_indices`` is checked (dtype,
-    shape) and reused; otherwise ``prepare_chunk_indices`` builds it from the host copy
-    ``offsets`` (no device read; cached per ``cu_seqlens`` tensor across the stages)."""
-    total = sum(-(-(e - s) // chunk_size) for s, e in zip(offsets[:-1], offsets[1:]))
-    if chunk_indices is None:
-        return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
-    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in (
-            torch.int32, torch.int64):
-        raise TypeError("chunk_indices: expected an int32/int64 tensor, got "
-                        f"{getattr(chunk_indices, 'dtype', type(chunk_indices).__name__)}")
-    if tuple(chunk_indices.shape) != (total, 2):
-        raise ValueError(f"chunk_indices: expected shape [NT, 2] = [{total}, 2] for "
-                         f"chunk_size {chunk_size}, got {tuple(chunk_indices.shape)}")
-    return chunk_indices.to(cu_seqlens.device).contiguous()
-
-
-def varlen_chunk_offsets(cu_seqlens: torch.Tensor, offsets: list[int],
-                         chunk_size: int) -> torch.Tensor:
-    """``[N + 1]``: index of each sequence's first chunk among all chunks (and the total
-    last), on ``cu_seqlens``' device, via ``prepare_chunk_offsets`` (no device read)."""
-    return prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)

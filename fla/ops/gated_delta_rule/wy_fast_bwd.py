@@ -22,11 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_o_bwd import (
-    check_kernel_device,
-    tile_width,
-    varlen_chunk_indices_for,
-)
+from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -187,7 +184,7 @@ def prepare_wy_repr_bwd(
     k, v, beta, A, dw, du = (x.contiguous() for x in (k, v, beta, A, dw, du))
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
-        chunk_indices = varlen_chunk_indices_for(cu_seqlens, BT, chunk_indices)
+        chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None

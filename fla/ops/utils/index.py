@@ -20,11 +20,15 @@ from typing import Callable, Sequence
 
 import torch
 
+from fla.utils.validation import read_offsets
+
 __all__ = [
     "prepare_lens",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",
     "prepare_token_chunk_positions",
+    "varlen_chunk_indices",
+    "varlen_chunk_offsets",
 ]
 
 _CACHE_SIZE = 16
@@ -39,7 +43,7 @@ def _host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     else:
         source = cu_seqlens
     if isinstance(source, torch.Tensor):
-        return [int(x) for x in source.tolist()]
+        return read_offsets(source)
     return [int(x) for x in source]
 
 
@@ -175,3 +179,32 @@ def prepare_token_chunk_positions(offsets: Sequence[int], chunk_size: int,
     chunk = first_chunk[seq] + local // chunk_size
     position = local % chunk_size
     return chunk.to(device), position.to(device), int(counts.sum())
+
+
+def varlen_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int,
+                         chunk_indices: torch.Tensor | None = None,
+                         offsets: list[int] | None = None) -> torch.Tensor:
+    """``[NT, 2]`` rows (sequence index, chunk index within the sequence) for a launcher,
+    on ``cu_seqlens``' device. A caller's ``chunk_indices`` is checked (dtype, shape) and
+    reused; otherwise :func:`prepare_chunk_indices` builds it from the host offsets (read
+    once per tensor) and caches it for the other stages of the same pass."""
+    offsets = read_offsets(cu_seqlens) if offsets is None else offsets
+    if chunk_indices is None:
+        return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
+    total = sum(-(-(e - s) // chunk_size) for s, e in zip(offsets[:-1], offsets[1:]))
+    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in (
+            torch.int32, torch.int64):
+        raise TypeError("chunk_indices: expected an int32/int64 tensor, got "
+                        f"{getattr(chunk_indices, 'dtype', type(chunk_indices).__name__)}")
+    if tuple(chunk_indices.shape) != (total, 2):
+        raise ValueError(f"chunk_indices: expected shape [NT, 2] = [{total}, 2] for "
+                         f"chunk_size {chunk_size}, got {tuple(chunk_indices.shape)}")
+    return chunk_indices.to(cu_seqlens.device).contiguous()
+
+
+def varlen_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int,
+                         offsets: list[int] | None = None) -> torch.Tensor:
+    """``[N + 1]``: index of each sequence's first chunk among all chunks (the total
+    last), on ``cu_seqlens``' device, without a device read when ``offsets`` is given."""
+    offsets = read_offsets(cu_seqlens) if offsets is None else offsets
+    return prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)

@@ -1,0 +1,34 @@
+"""Small rules shared by the chunk-stage launchers: chunk size, tile widths, devices."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from fla.utils.triton_facts import MIN_DOT_TILE, is_interpreter
+
+
+def check_chunk_size(chunk_size) -> int:
+    """Chunk sizes are powers of two in [16, 256]: ``tl.arange`` needs a power of two and
+    ``tl.dot`` operands at least 16 wide; beyond 256 the BT×BT tiles leave the registers."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if chunk_size < 16 or chunk_size > 256 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two in [16, 256], got {chunk_size}")
+    return chunk_size
+
+
+def tile_width(size: int, cap: int) -> int:
+    """Power-of-two tile width for a dimension of ``size``: at most ``cap``, at least
+    :data:`~fla.utils.triton_facts.MIN_DOT_TILE`; loads mask the columns past ``size``."""
+    return max(MIN_DOT_TILE, min(cap, triton.next_power_of_2(size)))
+
+
+def check_kernel_device(*tensors: torch.Tensor | None) -> None:
+    """Stages that exist only as Triton kernels (the backward ones: the PyTorch path
+    differentiates its forward instead) need CUDA tensors, or the interpreter."""
+    if is_interpreter():
+        return
+    for t in tensors:
+        if t is not None and not t.is_cuda:
+            raise ValueError("chunk backward stages run Triton kernels: expected CUDA tensors "
+                             f"(or TRITON_INTERPRET=1 for CPU tensors), got a tensor on {t.device}")
