@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_torch import chunk_fwd_o_torch
-from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.triton_facts import dot_precision
@@ -59,16 +59,12 @@ def chunk_fwd_o_kernel(
     """One program per (V tile, chunk, batch·head)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    # The grid's chunk index over all chunks: h is [B, NT, H, K, V] ([1, NT_total, ...] varlen).
     if IS_VARLEN:
-        # Under varlen h is [1, NT_total, H, K, V]: the grid's chunk index is global.
         i_tg = i_t.to(tl.int64)
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
-        bos = i_b.to(tl.int64) * T
+    i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
     o_t = tl.arange(0, BT)
     m_t = (i_t * BT + o_t) < T

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -50,13 +50,7 @@ def chunk_bwd_dv_local_kernel(
     """One program per (chunk, batch·head): dv rows of one chunk, all V columns."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b.to(tl.int64) * T
+    i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT          # int64 global index of the chunk's first token
     o_t = tl.arange(0, BT)
     m_t = (i_t * BT + o_t) < T
@@ -169,15 +163,12 @@ def chunk_bwd_dqkwg_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     # dg is [NK, B·T·H]: the slice stride, from the grid, before T turns per-sequence.
     dg_slice = (tl.num_programs(2) // H).to(tl.int64) * T * H
+    # The grid's chunk index over all chunks: h is [B, NT, H, K, V] ([1, NT_total, ...] varlen).
     if IS_VARLEN:
-        i_tg = i_t.to(tl.int64)        # rows of chunk_indices are the global chunks
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        i_tg = i_t.to(tl.int64)
     else:
         i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
-        bos = i_b.to(tl.int64) * T
+    i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     dt = k.dtype.element_ty
     o_t = tl.arange(0, BT)
     m_t = (i_t * BT + o_t) < T

@@ -19,6 +19,8 @@ import weakref
 from typing import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 from fla.utils.validation import read_offsets
 
@@ -208,3 +210,23 @@ def varlen_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int,
     last), on ``cu_seqlens``' device, without a device read when ``offsets`` is given."""
     offsets = read_offsets(cu_seqlens) if offsets is None else offsets
     return prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
+
+
+@triton.jit
+def locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """Inside a kernel with one program per chunk: map the grid's chunk index ``i_t`` and
+    batch index ``i_b`` to (the chunk's index within its sequence, the sequence's first
+    token as an int64 row of the ``[B·T]`` token axis, the sequence's length).
+
+    Under varlen ``i_t`` indexes the rows of ``chunk_indices`` (sequence, chunk in
+    sequence) and the batch is the single packed row; otherwise sequences are the B rows
+    of length T.
+    """
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+    return i_t, bos, T

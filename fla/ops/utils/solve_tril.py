@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.cumsum import check_chunk_indices
-from fla.ops.utils.index import prepare_chunk_indices, prepare_token_chunk_positions
+from fla.ops.utils.index import locate_chunk, prepare_chunk_indices, prepare_token_chunk_positions
 from fla.utils.backend import Backend, select_backend
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -127,15 +127,7 @@ def solve_tril_kernel(
     """Grid ``(NT, B * H)``; ``A``/``Ai`` are ``[B, T, H, BT]`` contiguous."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        i_c = i_t
-        bos = i_b.to(tl.int64) * T
-        seq_len = T
+    i_c, bos, seq_len = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     # Valid rows of this chunk; the last chunk of a sequence may be partial.
     L = seq_len - i_c * BT
     # int64: B * T * H * BT may exceed 2^31.
