@@ -5,9 +5,9 @@ new Triton release is handled by editing this file alone.
 
 Facts we rely on (and why they matter):
 
-* Block pointers (``tl.make_block_ptr`` / ``tl.advance``) are gone in Triton 3.9. No
-  kernel of ours uses them: tiles are addressed with plain pointer arithmetic, which
-  compiles on every release from 3.3 on.
+* Block pointers (the block-pointer constructor and its advance call) are gone in
+  Triton 3.9. No kernel of ours uses them: tiles are addressed with plain pointer
+  arithmetic, which compiles on every release from 3.3 on.
 * The CPU interpreter (``TRITON_INTERPRET=1``) computes ``tl.dot`` on bf16 operands
   wrongly on some releases; tests run the interpreter in fp32/fp16 and bf16 on the GPU.
 * ``triton.autotune`` with several configs fails in the interpreter without a GPU
@@ -41,8 +41,6 @@ def _parse_version(text: str) -> tuple[int, int, int]:
 TRITON_VERSION: tuple[int, int, int] = _parse_version(triton.__version__)
 TRITON_VERSION_STRING: str = triton.__version__
 
-# Triton 3.9 removed block pointers; kept as a fact for code that inspects old kernels.
-HAS_BLOCK_PTR: bool = TRITON_VERSION < (3, 9, 0) and hasattr(tl, "make_block_ptr")
 HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
 
 # The narrowest tile side our kernels give ``tl.dot``. Triton accepts 16, but Triton 3.6
