@@ -105,13 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--heads", type=int, default=2)
     demo.add_argument("--dim", type=int, default=32, help="head width K = V")
     demo.add_argument("--seed", type=int, default=None, help="fixed seed (default: fresh)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["demo", *argv]      # the demo is the default command
     args = parser.parse_args(argv)
-    if args.command in (None, "demo"):
-        if args.command is None:
-            args = parser.parse_args(["demo", *(argv or [])])
-        return _demo(args)
-    parser.print_help()
-    return 2
+    return _demo(args)
 
 
 if __name__ == "__main__":
