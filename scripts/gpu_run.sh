@@ -27,6 +27,11 @@
 #   CASE_TIMEOUT_OURS=120, CASE_TIMEOUT_REF=200   per-case limits (the reference
 #                        autotunes ~100 s per new shape, chunk_rwkv7 over 5 min)
 #   OUT                  where results go (default /tmp/out)
+#   REF_AUTOTUNE         a tarball of the reference's autotuning results (Triton's
+#                        *.autotune.json files) from an earlier run, default
+#                        .refcache/ref-autotune.tgz: unpacked into its Triton cache so that
+#                        it skips re-benchmarking every config; the run writes the updated
+#                        set to $OUT/ref-autotune.tgz (carry it back as .refcache/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -136,12 +141,21 @@ if [ "${BENCH:-1}" != 0 ]; then
                 rm -rf "$HARNESS" && mkdir -p "$HARNESS"
                 cp -r benchmarks "$HARNESS/"
                 REF_CACHE=$(mktemp -d /tmp/triton-ref.XXXXXX)
+                REF_TUNED="${REF_AUTOTUNE:-.refcache/ref-autotune.tgz}"
+                if [ -f "$REF_TUNED" ]; then
+                    tar xzf "$REF_TUNED" -C "$REF_CACHE" \
+                        && echo "reference: autotuning results from $REF_TUNED"
+                fi
                 ( cd "$HARNESS" && TRITON_CACHE_DIR="$REF_CACHE" PYTHONPATH="$REF_SITE:$HARNESS" \
                     timeout -k 15 "$RT" python3 -m benchmarks.run_side --label reference \
                         --out "$OUT/reference.json" \
                         --case-timeout "${CASE_TIMEOUT_REF:-200}" ${EXTRA[@]+"${EXTRA[@]}"} \
                         --cases "${CASES[@]}" ) 2>&1 | tee "$OUT/bench_ref.log"
                 REF_RC=${PIPESTATUS[0]}
+                # Keep only the autotuning results (small JSON), not the compiled kernels.
+                ( cd "$REF_CACHE" && find . -name '*.autotune.json' -print0 \
+                    | tar czf "$OUT/ref-autotune.tgz" --null -T - ) \
+                    && echo "reference: autotuning results saved to \$OUT/ref-autotune.tgz"
             fi
         fi
     fi
