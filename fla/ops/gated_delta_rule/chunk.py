@@ -1,17 +1,17 @@
-"""Chunked gated delta rule (training and prefill): the stages chained with autograd.
+"""Chunked gated delta rule (training and prefill): the kernels chained with autograd.
 
-Forward, per chunk of BT = 64 tokens (ALGORITHMS.md §1, chunked form):
+Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), two kernels:
 
-    γ   = chunk_local_cumsum(g)                        fla.ops.utils.cumsum
-    A   = strict_lower(diag(β) K Kᵀ ⊙ Γ)               fla.ops.common.chunk_scaled_dot_kkt
-    A   = (I + A)⁻¹                                    fla.ops.utils.solve_tril
-    W,U = A diag(β)(K ⊙ e^γ), A diag(β) V              fla.ops.gated_delta_rule.wy_fast
-    h, Vn, S_T = state pass over chunks                fla.ops.common.chunk_delta_h
-    O   = scale[(Q ⊙ e^γ) h + (Q Kᵀ ⊙ Γ) Vn]           fla.ops.common.chunk_o
+    γ, Ai = (I + A)⁻¹, Aqk = Q Kᵀ ⊙ Γ (causal)     chunk_fwd_intra   (parallel over chunks)
+    Vn = Ai β(V − e^γ K S), O, S' per chunk         chunk_fwd_inter   (sequential over chunks)
 
-The backward keeps only q, k, v, γ, β, the inverted A and the initial state: W, U, the
-per-chunk states h and Vn are recomputed (one more forward state pass) instead of stored,
-which saves [B, NT, H, K, V] + 2·[B, T, H, ·] activations per layer.
+with A = strict_lower(diag(β) K Kᵀ ⊙ Γ). The WY factors W, U, the per-chunk states h and
+the new values Vn never reach memory in the forward.
+
+The backward keeps only q, k, v, γ, β, Ai and the initial state, and runs the staged
+algorithm: W, U (``wy_fast``), the per-chunk states h and Vn (``chunk_delta_h``) are
+recomputed, then the reverse state pass and the gradient stages run
+(``fla.ops.common``). Storing h instead would cost [B, NT, H, K, V] per layer.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import torch
 
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
-from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
-from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
 from fla.ops.common import chunk_torch
+from fla.ops.gated_delta_rule.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+from fla.ops.gated_delta_rule.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
@@ -35,19 +35,14 @@ from fla.utils.backend import Backend, select_backend
 CHUNK_SIZE = 64
 
 
-def _forward(q, k, v, g_cum, beta, scale, initial_state, output_final_state, cu_seqlens,
-             chunk_indices):
-    A = chunk_scaled_dot_kkt_fwd(k, beta, g_cum, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
-                                 output_dtype=torch.float32, chunk_indices=chunk_indices)
-    A = solve_tril(A, cu_seqlens=cu_seqlens, output_dtype=k.dtype, chunk_indices=chunk_indices)
-    w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, cu_seqlens=cu_seqlens,
-                             chunk_indices=chunk_indices)
-    h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
-        k, w, u, g_cum, initial_state, output_final_state, chunk_size=CHUNK_SIZE,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    o = chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
-                    chunk_indices=chunk_indices)
-    return o, A, final_state
+def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+             chunk_indices, num_sequences):
+    g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, cu_seqlens=cu_seqlens,
+                                                      chunk_indices=chunk_indices)
+    o, final_state = chunk_gated_delta_rule_fwd_inter(
+        q, k, v, g_cum, beta, Ai, Aqk, scale, initial_state, output_final_state,
+        cu_seqlens=cu_seqlens, num_sequences=num_sequences)
+    return o, g_cum, Ai, final_state
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
@@ -55,11 +50,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices):
-        g_cum = None if g is None else chunk_local_cumsum(
-            g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        o, A, final_state = _forward(q, k, v, g_cum, beta, scale, initial_state,
-                                     output_final_state, cu_seqlens, chunk_indices)
+                chunk_indices, num_sequences):
+        o, g_cum, A, final_state = _forward(q, k, v, g, beta, scale, initial_state,
+                                            output_final_state, cu_seqlens, chunk_indices,
+                                            num_sequences)
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices)
         ctx.scale = scale
         ctx.g_dtype = None if g is None else g.dtype
@@ -88,7 +82,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                                     output_dtype=ctx.g_dtype, **varlen)
         return (dq, dk, dv, dg, dbeta.to(beta.dtype),
                 None if initial_state is None else dh0.to(initial_state.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _chunk_torch(x: GatedDeltaInputs, output_final_state: bool):
@@ -123,7 +117,8 @@ def chunk_gated_delta_rule_on_inputs(x: GatedDeltaInputs, output_final_state: bo
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
     return ChunkGatedDeltaRuleFunction.apply(q, k, x.v, x.g, beta, x.initial_state, x.scale,
-                                             output_final_state, x.cu_seqlens, chunk_indices)
+                                             output_final_state, x.cu_seqlens, chunk_indices,
+                                             x.N)
 
 
 def chunk_gated_delta_rule(

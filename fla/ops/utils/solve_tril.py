@@ -38,7 +38,8 @@ from fla.utils.validation import (
     check_tensor,
 )
 
-__all__ = ["solve_tril", "solve_tril_fwd", "CHUNK_SIZES"]
+__all__ = ["solve_tril", "solve_tril_fwd", "CHUNK_SIZES", "unit_lower_inverse_16",
+           "merge_block_inverse_64", "store_block_inverse_64"]
 
 # Chunk sizes with a kernel: multiples of the 16 x 16 block (tl.dot needs >= 16 per
 # side), up to 64 = four blocks, where the 16 block products are all written out.
@@ -46,46 +47,22 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 @triton.jit
-def _invert_diagonal_block(A, stride, first, L):
-    """(I + A_dd)⁻¹ for the 16 x 16 diagonal block starting at row/column ``first``.
+def unit_lower_inverse_16(b_A):
+    """(I + A)⁻¹ of a 16 x 16 fp32 register tile A; only its strictly lower triangle is read.
 
-    ``A`` points at row 0, column 0 of the chunk; ``stride`` is the row stride; rows at
-    or past ``L`` (outside the sequence) count as zero rows.
+    X = I + N with N strictly lower; row i of N is a + a·N with a = −A[i, :], which reads
+    only rows < i of N (already final), so rows are filled in order. Rows 0 and 1 need
+    no work. Forward substitution is used rather than a product of powers of A: the
+    powers grow like binomial coefficients and their rounding would swamp the result.
     """
     o_i = tl.arange(0, 16)
-    rows = first + o_i
-    strict = o_i[:, None] > o_i[None, :]
-    b_A = tl.load(A + rows[:, None] * stride + rows[None, :],
-                  mask=(rows < L)[:, None] & strict, other=0).to(tl.float32)
-    # X = I + N with N strictly lower; row i of N is a + a·N with a = −A[i, :], which
-    # only reads rows < i of N (already final). Rows 0 and 1 need no work.
+    b_A = tl.where(o_i[:, None] > o_i[None, :], b_A, 0.)
     b_N = -b_A
     for i in tl.static_range(2, 16):
-        # Columns < i of row i, none when the row is past the end. (Written as one
-        # comparison: the 3.9 interpreter turns `bool tensor & scalar bool` into int32.)
-        n_cols = tl.where(first + i < L, i, 0)
-        b_a = -tl.load(A + (first + i) * stride + first + o_i,
-                       mask=o_i < n_cols, other=0).to(tl.float32)
+        b_a = -tl.sum(tl.where((o_i == i)[:, None], b_A, 0.), 0)
         b_a += tl.sum(b_a[:, None] * b_N, 0)
         b_N = tl.where((o_i == i)[:, None], b_a[None, :], b_N)
     return b_N + (o_i[:, None] == o_i[None, :]).to(tl.float32)
-
-
-@triton.jit
-def _load_block(A, stride, row_first, col_first, L):
-    """The 16 x 16 block of A at (row_first, col_first), below the diagonal, as fp32."""
-    o_i = tl.arange(0, 16)
-    rows = row_first + o_i
-    return tl.load(A + rows[:, None] * stride + (col_first + o_i)[None, :],
-                   mask=(rows < L)[:, None], other=0).to(tl.float32)
-
-
-@triton.jit
-def _store_block(Ai, stride, row_first, col_first, L, b_X):
-    o_i = tl.arange(0, 16)
-    rows = row_first + o_i
-    tl.store(Ai + rows[:, None] * stride + (col_first + o_i)[None, :],
-             b_X.to(Ai.dtype.element_ty), mask=(rows < L)[:, None])
 
 
 @triton.jit
@@ -96,6 +73,80 @@ def _dot(a, b, PRECISION: tl.constexpr):
 @triton.jit
 def _dot_acc(a, b, acc, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def merge_block_inverse_32(b_D1, b_D2, b_A21, PRECISION: tl.constexpr):
+    """The off-diagonal block of (I + A)⁻¹ for A = [[A11, 0], [A21, A22]] in 16 x 16
+    blocks, given D_i = (I + A_ii)⁻¹: X21 = −D2 A21 D1."""
+    return -_dot(b_D2, _dot(b_A21, b_D1, PRECISION), PRECISION)
+
+
+@triton.jit
+def merge_block_inverse_64(b_D1, b_D2, b_D3, b_D4, b_A21, b_A31, b_A32, b_A41, b_A42, b_A43,
+                           PRECISION: tl.constexpr):
+    """The six off-diagonal 16 x 16 blocks X_ij (i > j) of (I + A)⁻¹ for a 64 x 64 unit
+    lower-triangular I + A, given the diagonal inverses D_i = (I + A_ii)⁻¹ and the blocks
+    A_ij, by block forward substitution: X_ij = −D_i Σ_{j ≤ k < i} A_ik X_kj (X_jj = D_j).
+    Returns (X21, X31, X32, X41, X42, X43)."""
+    b_X21 = merge_block_inverse_32(b_D1, b_D2, b_A21, PRECISION)
+    b_X32 = -_dot(b_D3, _dot(b_A32, b_D2, PRECISION), PRECISION)
+    b_X31 = -_dot(b_D3, _dot_acc(b_A32, b_X21, _dot(b_A31, b_D1, PRECISION), PRECISION),
+                  PRECISION)
+    b_X43 = -_dot(b_D4, _dot(b_A43, b_D3, PRECISION), PRECISION)
+    b_X42 = -_dot(b_D4, _dot_acc(b_A43, b_X32, _dot(b_A42, b_D2, PRECISION), PRECISION),
+                  PRECISION)
+    b_S41 = _dot_acc(b_A42, b_X21, _dot(b_A41, b_D1, PRECISION), PRECISION)
+    b_X41 = -_dot(b_D4, _dot_acc(b_A43, b_X31, b_S41, PRECISION), PRECISION)
+    return b_X21, b_X31, b_X32, b_X41, b_X42, b_X43
+
+
+@triton.jit
+def _load_block(A, stride, row_first, col_first, L):
+    """The 16 x 16 block of A at (row_first, col_first) as fp32; rows at or past ``L``
+    (outside the sequence) read as zero rows."""
+    o_i = tl.arange(0, 16)
+    rows = row_first + o_i
+    return tl.load(A + rows[:, None] * stride + (col_first + o_i)[None, :],
+                   mask=(rows < L)[:, None], other=0).to(tl.float32)
+
+
+@triton.jit
+def store_block_16(Ai, stride, row_first, col_first, L, b_X):
+    """Store a 16 x 16 block at (row_first, col_first) of a chunk's BT x BT matrix whose
+    row r is at ``Ai + r * stride``; rows at or past ``L`` are not written."""
+    o_i = tl.arange(0, 16)
+    rows = row_first + o_i
+    tl.store(Ai + rows[:, None] * stride + (col_first + o_i)[None, :],
+             b_X.to(Ai.dtype.element_ty), mask=(rows < L)[:, None])
+
+
+@triton.jit
+def store_block_inverse_64(Ai, stride, L, b_D1, b_D2, b_D3, b_D4, b_X21, b_X31, b_X32, b_X41,
+                           b_X42, b_X43):
+    """Write a 64 x 64 block-lower-triangular inverse, zeros above the diagonal blocks."""
+    b_zero = tl.zeros([16, 16], dtype=tl.float32)
+    store_block_16(Ai, stride, 0, 0, L, b_D1)
+    store_block_16(Ai, stride, 16, 0, L, b_X21)
+    store_block_16(Ai, stride, 16, 16, L, b_D2)
+    store_block_16(Ai, stride, 32, 0, L, b_X31)
+    store_block_16(Ai, stride, 32, 16, L, b_X32)
+    store_block_16(Ai, stride, 32, 32, L, b_D3)
+    store_block_16(Ai, stride, 48, 0, L, b_X41)
+    store_block_16(Ai, stride, 48, 16, L, b_X42)
+    store_block_16(Ai, stride, 48, 32, L, b_X43)
+    store_block_16(Ai, stride, 48, 48, L, b_D4)
+    for j in tl.static_range(1, 4):
+        store_block_16(Ai, stride, 0, j * 16, L, b_zero)
+    for j in tl.static_range(2, 4):
+        store_block_16(Ai, stride, 16, j * 16, L, b_zero)
+    store_block_16(Ai, stride, 32, 48, L, b_zero)
+
+
+@triton.jit
+def _invert_diagonal_block(A, stride, first, L):
+    """(I + A_dd)⁻¹ for the 16 x 16 diagonal block starting at row/column ``first``."""
+    return unit_lower_inverse_16(_load_block(A, stride, first, first, L))
 
 
 def _default_config(args) -> Config:
@@ -137,43 +188,26 @@ def solve_tril_kernel(
     stride = H * BT
 
     b_D1 = _invert_diagonal_block(A, stride, 0, L)
-    _store_block(Ai, stride, 0, 0, L, b_D1)
-    if BT >= 32:
-        b_zero = tl.zeros([16, 16], dtype=tl.float32)
+    if BT == 16:
+        store_block_16(Ai, stride, 0, 0, L, b_D1)
+    if BT == 32:
         b_D2 = _invert_diagonal_block(A, stride, 16, L)
-        b_X21 = -_dot(b_D2, _dot(_load_block(A, stride, 16, 0, L), b_D1, PRECISION), PRECISION)
-        _store_block(Ai, stride, 0, 16, L, b_zero)
-        _store_block(Ai, stride, 16, 0, L, b_X21)
-        _store_block(Ai, stride, 16, 16, L, b_D2)
+        b_X21 = merge_block_inverse_32(b_D1, b_D2, _load_block(A, stride, 16, 0, L), PRECISION)
+        store_block_16(Ai, stride, 0, 0, L, b_D1)
+        store_block_16(Ai, stride, 0, 16, L, tl.zeros([16, 16], dtype=tl.float32))
+        store_block_16(Ai, stride, 16, 0, L, b_X21)
+        store_block_16(Ai, stride, 16, 16, L, b_D2)
     if BT == 64:
+        b_D2 = _invert_diagonal_block(A, stride, 16, L)
         b_D3 = _invert_diagonal_block(A, stride, 32, L)
         b_D4 = _invert_diagonal_block(A, stride, 48, L)
-        b_A31 = _load_block(A, stride, 32, 0, L)
-        b_A32 = _load_block(A, stride, 32, 16, L)
-        b_A41 = _load_block(A, stride, 48, 0, L)
-        b_A42 = _load_block(A, stride, 48, 16, L)
-        b_A43 = _load_block(A, stride, 48, 32, L)
-        # Third block row: X3j = -D3 (A31 X1j + A32 X2j).
-        b_X32 = -_dot(b_D3, _dot(b_A32, b_D2, PRECISION), PRECISION)
-        b_X31 = -_dot(b_D3, _dot_acc(b_A32, b_X21, _dot(b_A31, b_D1, PRECISION), PRECISION),
-                      PRECISION)
-        # Fourth block row: X4j = -D4 (A41 X1j + A42 X2j + A43 X3j).
-        b_X43 = -_dot(b_D4, _dot(b_A43, b_D3, PRECISION), PRECISION)
-        b_X42 = -_dot(b_D4, _dot_acc(b_A43, b_X32, _dot(b_A42, b_D2, PRECISION), PRECISION),
-                      PRECISION)
-        b_S41 = _dot_acc(b_A42, b_X21, _dot(b_A41, b_D1, PRECISION), PRECISION)
-        b_X41 = -_dot(b_D4, _dot_acc(b_A43, b_X31, b_S41, PRECISION), PRECISION)
-        for j in tl.static_range(2, 4):
-            _store_block(Ai, stride, 0, j * 16, L, b_zero)
-            _store_block(Ai, stride, 16, j * 16, L, b_zero)
-        _store_block(Ai, stride, 32, 48, L, b_zero)
-        _store_block(Ai, stride, 32, 0, L, b_X31)
-        _store_block(Ai, stride, 32, 16, L, b_X32)
-        _store_block(Ai, stride, 32, 32, L, b_D3)
-        _store_block(Ai, stride, 48, 0, L, b_X41)
-        _store_block(Ai, stride, 48, 16, L, b_X42)
-        _store_block(Ai, stride, 48, 32, L, b_X43)
-        _store_block(Ai, stride, 48, 48, L, b_D4)
+        b_X21, b_X31, b_X32, b_X41, b_X42, b_X43 = merge_block_inverse_64(
+            b_D1, b_D2, b_D3, b_D4, _load_block(A, stride, 16, 0, L),
+            _load_block(A, stride, 32, 0, L), _load_block(A, stride, 32, 16, L),
+            _load_block(A, stride, 48, 0, L), _load_block(A, stride, 48, 16, L),
+            _load_block(A, stride, 48, 32, L), PRECISION)
+        store_block_inverse_64(Ai, stride, L, b_D1, b_D2, b_D3, b_D4, b_X21, b_X31, b_X32,
+                               b_X41, b_X42, b_X43)
 
 
 def _solve_tril_triton(A, cu_seqlens, offsets, output_dtype, chunk_indices):

@@ -1,0 +1,194 @@
+"""The fused forward of the chunked gated delta rule (``chunk_fwd_intra`` and
+``chunk_fwd_inter``) against float64 references of the chunk equations.
+
+Each kernel is fed inputs in the tested dtype and compared with float64 results computed
+from the very same (rounded) inputs; the inter-chunk pass gets the float64 Ai and Aqk
+rounded as the intra kernel would store them, so each comparison measures one kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fla.ops.gated_delta_rule.chunk_fwd_inter import (
+    chunk_gated_delta_rule_fwd_inter,
+    chunk_gated_delta_rule_fwd_inter_kernel,
+)
+from fla.ops.gated_delta_rule.chunk_fwd_intra import (
+    chunk_gated_delta_rule_fwd_intra,
+    chunk_gated_delta_rule_fwd_intra_kernel,
+)
+from fla.ops.utils.index import prepare_chunk_indices
+from tests.helpers import assert_rel_close, generator, rel_error
+from tests.ops.test_chunk_stages_fwd import (
+    DTYPES,
+    F64,
+    chunk_spans,
+    f32,
+    gate_matrix,
+    make_problem,
+    recurrence_loop,
+    ref_kkt,
+    ref_tinv,
+    tol,
+    uneven_lengths,
+)
+
+CASES = {
+    "T100": dict(B=2, T=100, H=2, K=32, V=32),
+    "T130_K_ne_V": dict(B=1, T=130, H=2, K=48, V=32),
+    "varlen": dict(B=1, T=0, H=2, K=32, V=32, lengths=3),
+}
+
+
+def problem(case, gen, device, dtype):
+    spec = dict(CASES[case])
+    n = spec.pop("lengths", None)
+    lengths = uneven_lengths(n, gen, low=1, high=140) if n else None
+    return make_problem(gen, device, dtype=dtype, lengths=lengths, **spec)
+
+
+def ref_aqk(q, k, gc, offsets, BT=64):
+    """(Q Kᵀ ⊙ Γ) on and below the diagonal, per chunk, float64, [B, T, H, BT]."""
+    B, T, H, _ = q.shape
+    out = torch.zeros(B, T, H, BT, dtype=F64, device=q.device)
+    for b, _, s, e in chunk_spans(B, T, offsets, BT):
+        scores = torch.einsum("ihk,jhk->hij", q[b, s:e].to(F64), k[b, s:e].to(F64))
+        scores = (scores * gate_matrix(gc[b, s:e].to(F64), False) if gc is not None
+                  else scores.tril())
+        out[b, s:e, :, :e - s] = scores.permute(1, 0, 2)
+    return out
+
+
+def chunk_indices_of(p):
+    return None if p["cu_seqlens"] is None else prepare_chunk_indices(p["cu_seqlens"], 64)
+
+
+def run_intra(p, gated):
+    return chunk_gated_delta_rule_fwd_intra(p["q"], p["k"], p["g"] if gated else None,
+                                            p["beta"], cu_seqlens=p["cu_seqlens"],
+                                            chunk_indices=chunk_indices_of(p))
+
+
+def run_inter(p, gated, Ai, Aqk, h0=True, final=True):
+    N = p["h0"].shape[0]
+    return chunk_gated_delta_rule_fwd_inter(
+        p["q"], p["k"], p["v"], f32(p["gc"]) if gated else None, p["beta"], Ai, Aqk,
+        p["scale"], p["h0"] if h0 else None, final, cu_seqlens=p["cu_seqlens"],
+        num_sequences=N)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gated", [True, False])
+def test_intra_matches_chunk_equations(device, seed, dtype, case, gated):
+    p = problem(case, generator(seed), device, dtype)
+    g_cum, Ai, Aqk = run_intra(p, gated)
+    assert Ai.shape == Aqk.shape == (*p["k"].shape[:3], 64)
+    assert Ai.dtype == Aqk.dtype == dtype
+    if gated:
+        assert g_cum.dtype == torch.float32
+        assert_rel_close("g_cum", g_cum, p["gc"], 1e-6)
+    else:
+        assert g_cum is None
+    # The references take the kernel's own γ (fp32) so that only the kernel is measured.
+    gc = g_cum if gated else None
+    Tinv = ref_tinv(ref_kkt(p["k"], p["beta"], gc, p["offsets"], 64), p["offsets"], 64)
+    # One rounding of the stored result on top of fp32 arithmetic.
+    assert_rel_close("Ai", Ai, Tinv, {torch.float32: 1e-5}.get(dtype, tol(dtype)))
+    assert_rel_close("Aqk", Aqk, ref_aqk(p["q"], p["k"], gc, p["offsets"]),
+                     {torch.float32: 1e-5}.get(dtype, tol(dtype)))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gated", [True, False])
+def test_inter_matches_recurrence(device, seed, dtype, case, gated):
+    """Fed exact Ai and Aqk (rounded to the dtype as stored), the state pass gives the
+    per-token recurrence's output and final state."""
+    p = problem(case, generator(seed), device, dtype)
+    gc = p["gc"] if gated else None
+    Ai = ref_tinv(ref_kkt(p["k"], p["beta"], gc, p["offsets"], 64), p["offsets"], 64)
+    Aqk = ref_aqk(p["q"], p["k"], gc, p["offsets"])
+    o, ht = run_inter(p, gated, Ai.to(dtype), Aqk.to(dtype))
+    g = p["g"] if gated else torch.zeros_like(p["g"])
+    o_ref, ht_ref = recurrence_loop(p["q"], p["k"], p["v"], g, p["beta"], p["scale"],
+                                    p["h0"], p["offsets"])
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    assert_rel_close("o", o, o_ref, tol(dtype))
+    assert_rel_close("final_state", ht, ht_ref, tol(dtype))
+
+
+@pytest.mark.interpret
+def test_inter_without_initial_or_final_state(device, seed):
+    p = problem("varlen", generator(seed), device, torch.float32)
+    _, Ai, Aqk = run_intra(p, True)
+    o, ht = run_inter(p, True, Ai, Aqk, h0=False, final=False)
+    assert ht is None
+    o_ref, _ = recurrence_loop(p["q"], p["k"], p["v"], p["g"], p["beta"], p["scale"], None,
+                               p["offsets"])
+    assert_rel_close("o", o, o_ref, 1e-4)
+
+
+# ------------------------------------------------------------------------------- GPU
+def _record_launch(monkeypatch, tuned_kernel):
+    calls = []
+    original = tuned_kernel.launch
+
+    def launch(grid, args, kwargs):
+        calls.append((grid, dict(kwargs)))
+        return original(grid, args, kwargs)
+
+    monkeypatch.setattr(tuned_kernel, "launch", launch)
+    return calls
+
+
+def _force_config(monkeypatch, tuned_kernel, config):
+    def launch(grid, args, kwargs):
+        launch_args = {**kwargs, **config.launch_kwargs()}
+        return tuned_kernel.kernel[grid(launch_args) if callable(grid) else grid](**launch_args)
+
+    monkeypatch.setattr(tuned_kernel, "launch", launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
+    """Every config of both kernels' tuning spaces compiles and is correct in bf16 at
+    K = V = D (another Triton release hit an LLVM layout assertion at 8 warps, D = 256)."""
+    gen = generator(seed)
+    p = make_problem(gen, "cuda", B=2, T=200, H=2, K=D, V=D, dtype=torch.bfloat16)
+    g_cum, Ai, Aqk = run_intra(p, True)
+    o_ref, ht_ref = recurrence_loop(p["q"], p["k"], p["v"], p["g"], p["beta"], p["scale"],
+                                    p["h0"], None)
+    Ai_ref = ref_tinv(ref_kkt(p["k"], p["beta"], g_cum, None, 64), None, 64)
+    stages = [
+        (chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:],
+         (Ai_ref, ref_aqk(p["q"], p["k"], g_cum, None)), 1e-2),
+        (chunk_gated_delta_rule_fwd_inter_kernel, lambda: run_inter(p, True, Ai, Aqk),
+         (o_ref, ht_ref), 1e-2),
+    ]
+    failures = []
+    for kernel, call, refs, bound in stages:
+        with monkeypatch.context() as m:
+            calls = _record_launch(m, kernel)
+            call()
+        configs = kernel.candidates(calls[0][1])
+        assert len(configs) >= 12, f"{kernel.name}: a space of {len(configs)} configs"
+        for config in configs:
+            with monkeypatch.context() as m:
+                _force_config(m, kernel, config)
+                try:
+                    outs = call()
+                    torch.cuda.synchronize()
+                except Exception as error:  # noqa: BLE001 - report every failing config
+                    failures.append(f"{kernel.name} {config}: {type(error).__name__}: "
+                                    f"{str(error)[:300]}")
+                    continue
+            for out, ref in zip(outs, refs):
+                err = rel_error(out, ref)
+                if not err <= bound:
+                    failures.append(f"{kernel.name} {config}: relative error {err:.2e}")
+    assert not failures, "\n".join(failures)
