@@ -78,6 +78,17 @@ def device_capability(index: int = 0) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(index: int = 0) -> int:
+    """Streaming multiprocessors of the GPU (132 on an H100 SXM); 1 without a GPU, so that
+    launch heuristics in the interpreter take their small-grid branch."""
+    import torch
+
+    if is_interpreter() or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def is_hopper(index: int = 0) -> bool:
     return device_capability(index)[0] == 9
 

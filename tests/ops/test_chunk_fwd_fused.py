@@ -70,12 +70,11 @@ def run_intra(p, gated):
                                             chunk_indices=chunk_indices_of(p))
 
 
-def run_inter(p, gated, Ai, Aqk, h0=True, final=True):
-    N = p["h0"].shape[0]
+def run_inter(p, gated, Ai, Aqk, h0=True, final=True, segment_chunks=None):
     return chunk_gated_delta_rule_fwd_inter(
         p["q"], p["k"], p["v"], f32(p["gc"]) if gated else None, p["beta"], Ai, Aqk,
         p["scale"], p["h0"] if h0 else None, final, cu_seqlens=p["cu_seqlens"],
-        num_sequences=N)
+        offsets=p["offsets"], segment_chunks=segment_chunks)
 
 
 @pytest.mark.interpret
@@ -119,6 +118,34 @@ def test_inter_matches_recurrence(device, seed, dtype, case, gated):
     assert o.dtype == dtype and ht.dtype == torch.float32
     assert_rel_close("o", o, o_ref, tol(dtype))
     assert_rel_close("final_state", ht, ht_ref, tol(dtype))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["T300_K_ne_V", "varlen_long"])
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_inter_split_into_segments(device, seed, dtype, case, segment_chunks):
+    """Sequences cut into segments (transitions [M | X], combine, output pass) give the
+    recurrence's output and final state: a sequence shorter than a segment, segments
+    ending in a partial chunk, with and without an initial state."""
+    gen = generator(seed)
+    if case == "varlen_long":
+        lengths = uneven_lengths(3, gen, low=1, high=300)
+        p = make_problem(gen, device, B=1, T=0, H=2, K=32, V=32, dtype=dtype, lengths=lengths)
+    else:
+        p = make_problem(gen, device, B=2, T=300, H=1, K=48, V=32, dtype=dtype)
+    Ai = ref_tinv(ref_kkt(p["k"], p["beta"], p["gc"], p["offsets"], 64), p["offsets"], 64)
+    Aqk = ref_aqk(p["q"], p["k"], p["gc"], p["offsets"])
+    o_ref, ht_ref = recurrence_loop(p["q"], p["k"], p["v"], p["g"], p["beta"], p["scale"],
+                                    p["h0"], p["offsets"])
+    for h0 in (True, False):
+        o, ht = run_inter(p, True, Ai.to(dtype), Aqk.to(dtype), h0=h0,
+                          segment_chunks=segment_chunks)
+        if not h0:
+            o_ref, ht_ref = recurrence_loop(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                                            p["scale"], None, p["offsets"])
+        assert_rel_close(f"o (h0={h0})", o, o_ref, tol(dtype))
+        assert_rel_close(f"final_state (h0={h0})", ht, ht_ref, tol(dtype))
 
 
 @pytest.mark.interpret

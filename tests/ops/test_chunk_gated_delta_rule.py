@@ -40,6 +40,19 @@ def test_chunk_varlen_uneven_sequences(dtype, device, seed):
 
 
 @pytest.mark.interpret
+def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
+    """The forward's state pass split into segments (what few long sequences get on a
+    large GPU), forced at every chunk here: same outputs, states and gradients."""
+    from fla.ops.gated_delta_rule import chunk_fwd_inter
+    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda programs, chunks: 1)
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=30, high=200)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=32, N=2)
+    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, device))
+
+
+@pytest.mark.interpret
 def test_chunk_l2norm_scale_and_head_first(device, seed):
     gen = generator(seed)
     inputs = make_inputs(gen, B=1, T=odd_length(gen, 65, 130), H=1, HV=1, K=16, V=16,

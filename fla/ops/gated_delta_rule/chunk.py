@@ -36,12 +36,12 @@ CHUNK_SIZE = 64
 
 
 def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-             chunk_indices, num_sequences):
+             chunk_indices, offsets):
     g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, cu_seqlens=cu_seqlens,
                                                       chunk_indices=chunk_indices)
     o, final_state = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, beta, Ai, Aqk, scale, initial_state, output_final_state,
-        cu_seqlens=cu_seqlens, num_sequences=num_sequences)
+        cu_seqlens=cu_seqlens, offsets=offsets)
     return o, g_cum, Ai, final_state
 
 
@@ -50,7 +50,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices, num_sequences):
+                chunk_indices, offsets):
         o, g_cum, A, final_state = _forward(q, k, v, g, beta, scale, initial_state,
                                             output_final_state, cu_seqlens, chunk_indices,
                                             num_sequences)
@@ -118,7 +118,7 @@ def chunk_gated_delta_rule_on_inputs(x: GatedDeltaInputs, output_final_state: bo
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
     return ChunkGatedDeltaRuleFunction.apply(q, k, x.v, x.g, beta, x.initial_state, x.scale,
                                              output_final_state, x.cu_seqlens, chunk_indices,
-                                             x.N)
+                                             x.seq_offsets)
 
 
 def chunk_gated_delta_rule(

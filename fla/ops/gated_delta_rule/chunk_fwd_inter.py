@@ -18,6 +18,14 @@ One program per (V tile, head, sequence) walks the sequence's chunks; the K x BV
 state lives in up to four 64-row register tiles (K ≤ 256). Programs of one head's V
 tiles are adjacent in the grid, so they run together and share Q, K, Ai and Aqk through
 the L2 cache.
+
+Few long sequences (one serving a 64K-token prompt over 8 heads is 32 programs on a
+132-SM GPU) are split into segments of chunks. Over a segment the state update is
+affine, ``S_out = M S_in + X``, and the same recurrence run on the augmented state
+``[I | 0]`` with values ``[0 | V]`` yields ``[M | X]``. So the split runs three launches:
+the transitions ``[M | X]`` of all segments in parallel (``TRANSITION``), a short serial
+combine per sequence giving every segment its entering state and the final state, and
+the output pass over all segments in parallel.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
+from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_fwd_inter"]
@@ -48,42 +56,70 @@ def _space(args) -> list[Config]:
 
 
 @triton.jit
-def _state_tile_dots(b_k, b_q, b_h, b_ks, b_qs, DOT_PRECISION: tl.constexpr):
-    """K S and Q S accumulated over one 64-row tile of the state (16-bit operands)."""
-    b_hc = b_h.to(b_k.dtype)
-    b_ks = tl.dot(b_k, b_hc, b_ks, input_precision=DOT_PRECISION)
-    b_qs = tl.dot(b_q, b_hc, b_qs, input_precision=DOT_PRECISION)
+def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, WITH_Q: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """K S (and Q S) accumulated over one 64-row tile of the state (16-bit operands)."""
+    b_hc = b_h.to(k.dtype.element_ty)
+    b_ks = tl.dot(tl.load(k + p_qk, mask=m_tk, other=0.), b_hc, b_ks,
+                  input_precision=DOT_PRECISION)
+    if WITH_Q:
+        b_qs = tl.dot(tl.load(q + p_qk, mask=m_tk, other=0.), b_hc, b_qs,
+                      input_precision=DOT_PRECISION)
     return b_ks, b_qs
 
 
-@tuned(key=["K", "V", "k", "h0"], default=_default, space=_space)
+@tuned(key=["K", "V", "k", "h0", "TRANSITION"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
-    q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, scale, T,
+    q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NV, H, N)``. ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta
-    [B, T, H]``, ``Ai, Aqk [B, T, H, 64]``, ``h0, ht [N, H, K, V]`` (fp32 ht)."""
-    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
+    sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
+    ``[P, 3]`` (sequence, first chunk, end chunk), whose states ``h0``/``ht`` are then
+    indexed by segment.
+
+    ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
+    ``Ai, Aqk [B, T, H, 64]``. The state is ``K x W``: W = V, or with ``TRANSITION``
+    W = K + V, starting from ``[I | 0]`` with values ``[0 | V]`` and no output; its final
+    value ``[M | X]`` goes to ``ht [P, H, K, K + V]``.
+    """
+    W: tl.constexpr = K + V if TRANSITION else V
+    i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SPLIT:
+        i_n = tl.load(segments + i_p * 3)
+        first = tl.load(segments + i_p * 3 + 1)
+        end = tl.load(segments + i_p * 3 + 2)
+    else:
+        i_n = i_p
+        first = 0
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         bos = i_n.to(tl.int64) * T
-    NT = tl.cdiv(T, BT)
+    if not SPLIT:
+        end = tl.cdiv(T, BT)
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    # The state's j-th 64-row tile is rows j·BK .. j·BK + BK of the K x V matrix.
-    o_s = o_k[:, None] * V + o_v[None, :]
-    m_s1 = (o_k < K)[:, None] & m_v[None, :]
-    m_s2 = (BK + o_k < K)[:, None] & m_v[None, :]
-    m_s3 = (2 * BK + o_k < K)[:, None] & m_v[None, :]
-    m_s4 = (3 * BK + o_k < K)[:, None] & m_v[None, :]
+    o_w = i_w * BV + tl.arange(0, BV)
+    m_w = o_w < W
+    if TRANSITION:
+        o_v = o_w - K              # value column of each state column (< 0: an M column)
+        m_v = m_w & (o_w >= K)
+    else:
+        o_v = o_w
+        m_v = m_w
+    # The state's j-th 64-row tile is rows j·BK .. j·BK + BK of the K x W matrix.
+    o_s = o_k[:, None] * W + o_w[None, :]
+    m_s1 = (o_k < K)[:, None] & m_w[None, :]
+    m_s2 = (BK + o_k < K)[:, None] & m_w[None, :]
+    m_s3 = (2 * BK + o_k < K)[:, None] & m_w[None, :]
+    m_s4 = (3 * BK + o_k < K)[:, None] & m_w[None, :]
 
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     if K > BK:
@@ -92,44 +128,48 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         b_h3 = tl.zeros([BK, BV], dtype=tl.float32)
     if K > 3 * BK:
         b_h4 = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        p_h0 = h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+    if TRANSITION:
+        # [I | 0]: ones where the state row equals the column.
+        b_h1 += (o_k[:, None] == o_w[None, :]).to(tl.float32)
+        if K > BK:
+            b_h2 += (BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
+        if K > 2 * BK:
+            b_h3 += (2 * BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
+        if K > 3 * BK:
+            b_h4 += (3 * BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
+    elif USE_INITIAL_STATE:
+        p_h0 = h0 + (i_p.to(tl.int64) * H + i_h) * (K * W) + o_s
         b_h1 += tl.load(p_h0, mask=m_s1, other=0.).to(tl.float32)
         if K > BK:
-            b_h2 += tl.load(p_h0 + BK * V, mask=m_s2, other=0.).to(tl.float32)
+            b_h2 += tl.load(p_h0 + BK * W, mask=m_s2, other=0.).to(tl.float32)
         if K > 2 * BK:
-            b_h3 += tl.load(p_h0 + 2 * BK * V, mask=m_s3, other=0.).to(tl.float32)
+            b_h3 += tl.load(p_h0 + 2 * BK * W, mask=m_s3, other=0.).to(tl.float32)
         if K > 3 * BK:
-            b_h4 += tl.load(p_h0 + 3 * BK * V, mask=m_s4, other=0.).to(tl.float32)
+            b_h4 += tl.load(p_h0 + 3 * BK * W, mask=m_s4, other=0.).to(tl.float32)
 
-    for i_t in range(NT):
+    for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
-        m_tv = m_t[:, None] & m_v[None, :]
         p_qk = (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
 
-        # K S and Q S, one 64-row tile of the state at a time.
+        # K S (and Q S for the output), one 64-row tile of the state at a time.
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
         b_qs = tl.zeros([BT, BV], dtype=tl.float32)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_ks, b_qs = _state_tile_dots(tl.load(k + p_qk, mask=m_tk, other=0.),
-                                      tl.load(q + p_qk, mask=m_tk, other=0.),
-                                      b_h1, b_ks, b_qs, DOT_PRECISION)
+        b_ks, b_qs = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, not TRANSITION,
+                                      DOT_PRECISION)
         if K > BK:
             m_tk = m_t[:, None] & (BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(tl.load(k + p_qk + BK, mask=m_tk, other=0.),
-                                          tl.load(q + p_qk + BK, mask=m_tk, other=0.),
-                                          b_h2, b_ks, b_qs, DOT_PRECISION)
+            b_ks, b_qs = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs,
+                                          not TRANSITION, DOT_PRECISION)
         if K > 2 * BK:
             m_tk = m_t[:, None] & (2 * BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(tl.load(k + p_qk + 2 * BK, mask=m_tk, other=0.),
-                                          tl.load(q + p_qk + 2 * BK, mask=m_tk, other=0.),
-                                          b_h3, b_ks, b_qs, DOT_PRECISION)
+            b_ks, b_qs = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks, b_qs,
+                                          not TRANSITION, DOT_PRECISION)
         if K > 3 * BK:
             m_tk = m_t[:, None] & (3 * BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(tl.load(k + p_qk + 3 * BK, mask=m_tk, other=0.),
-                                          tl.load(q + p_qk + 3 * BK, mask=m_tk, other=0.),
-                                          b_h4, b_ks, b_qs, DOT_PRECISION)
+            b_ks, b_qs = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks, b_qs,
+                                          not TRANSITION, DOT_PRECISION)
 
         b_beta = tl.load(beta + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
         if USE_G:
@@ -137,21 +177,25 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             b_g = tl.load(g_cum + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             b_eg = tl.exp(b_g)
             b_ks *= b_eg[:, None]
-            b_qs *= b_eg[:, None]
+            if not TRANSITION:
+                b_qs *= b_eg[:, None]
 
         # Vn = Ai · β(V − e^γ K S): the residual is formed in fp32 before the one cast, so
         # the cancellation between V and the state's prediction loses nothing.
         p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
         b_r = ((b_v - b_ks) * b_beta[:, None]).to(k.dtype.element_ty)
         p_tt = (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
         m_tt = m_t[:, None] & m_t[None, :]
-        b_ai = tl.load(Ai + p_tt, mask=m_tt, other=0.)
-        b_vn = tl.dot(b_ai, b_r, input_precision=DOT_PRECISION)
+        b_vn = tl.dot(tl.load(Ai + p_tt, mask=m_tt, other=0.), b_r,
+                      input_precision=DOT_PRECISION)
 
-        b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
-        b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs, input_precision=DOT_PRECISION)
-        tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+        if not TRANSITION:
+            b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
+            b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs,
+                         input_precision=DOT_PRECISION)
+            tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
 
         if USE_G:
             # Decay to the chunk's last valid token: exponents γ_C − γ_t ≤ 0, rows past
@@ -184,14 +228,126 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                                   other=0.), b_vn, b_h4, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
-        p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        p_ht = ht + (i_p.to(tl.int64) * H + i_h) * (K * W) + o_s
         tl.store(p_ht, b_h1, mask=m_s1)
         if K > BK:
-            tl.store(p_ht + BK * V, b_h2, mask=m_s2)
+            tl.store(p_ht + BK * W, b_h2, mask=m_s2)
         if K > 2 * BK:
-            tl.store(p_ht + 2 * BK * V, b_h3, mask=m_s3)
+            tl.store(p_ht + 2 * BK * W, b_h3, mask=m_s3)
         if K > 3 * BK:
-            tl.store(p_ht + 3 * BK * V, b_h4, mask=m_s4)
+            tl.store(p_ht + 3 * BK * W, b_h4, mask=m_s4)
+
+
+def _combine_default(args) -> Config:
+    return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
+
+
+def _combine_space(args) -> list[Config]:
+    widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
+    return [Config(BV=bv, num_warps=w, num_stages=s)
+            for bv in widths for w in (2, 4, 8) for s in (1, 2)]
+
+
+@triton.jit
+def _affine_step(mx, src, dst, i_s, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, o_v, m_v, DOT_PRECISION: tl.constexpr):
+    """dst[:, cols] = M_s src[:, cols] + X_s[:, cols] for segment ``i_s``'s transition
+    ``mx[i_s, i_h] = [M | X]`` (K x (K + V)); ``src``/``dst`` point at K x V states."""
+    o_k = tl.arange(0, BK)
+    # int64 offsets: P·H·K·(K + V) can pass 2³¹. (A loop counter is a Python int in the
+    # interpreter, hence the add rather than .to().)
+    p_mx = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
+    for i_r in range(tl.cdiv(K, BK)):
+        rows = i_r * BK + o_k
+        m_r = rows < K
+        b_s = tl.load(p_mx + rows[:, None] * (K + V) + K + o_v[None, :],
+                      mask=m_r[:, None] & m_v[None, :], other=0.)
+        for i_c in range(tl.cdiv(K, BK)):
+            cols = i_c * BK + o_k
+            m_c = cols < K
+            b_m = tl.load(p_mx + rows[:, None] * (K + V) + cols[None, :],
+                          mask=m_r[:, None] & m_c[None, :], other=0.)
+            b_src = tl.load(src + cols[:, None] * V + o_v[None, :],
+                            mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_s = tl.dot(b_m, b_src, b_s, input_precision=DOT_PRECISION)
+        tl.store(dst + rows[:, None] * V + o_v[None, :], b_s, mask=m_r[:, None] & m_v[None, :])
+
+
+@tuned(key=["K", "V", "h0"], default=_combine_default, space=_combine_space)
+@triton.jit
+def chunk_state_combine_kernel(
+    mx, h0, seg_h0, ht, seg_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
+    its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
+    last segment is the sequence's final state ``ht[n]``. All states fp32 ``K x V``."""
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s0 = tl.load(seg_offsets + i_n)
+    s1 = tl.load(seg_offsets + i_n + 1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    first = seg_h0 + (s0.to(tl.int64) * H + i_h) * (K * V)
+    for i_r in range(tl.cdiv(K, BK)):
+        rows = i_r * BK + o_k
+        m_s = (rows < K)[:, None] & m_v[None, :]
+        p_s = rows[:, None] * V + o_v[None, :]
+        if USE_INITIAL_STATE:
+            b_s = tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + p_s, mask=m_s,
+                          other=0.).to(tl.float32)
+        else:
+            b_s = tl.zeros([BK, BV], dtype=tl.float32)
+        tl.store(first + p_s, b_s, mask=m_s)
+    for i_s in range(s0, s1 - 1):
+        # Every thread's part of seg_h0[i_s] must be stored before any thread reads it.
+        tl.debug_barrier()
+        src = seg_h0 + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * V)
+        _affine_step(mx, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v, DOT_PRECISION)
+    if STORE_FINAL_STATE:
+        tl.debug_barrier()
+        src = seg_h0 + (tl.full([], 0, tl.int64) + (s1 - 1) * H + i_h) * (K * V)
+        _affine_step(mx, src, ht + (i_n.to(tl.int64) * H + i_h) * (K * V), s1 - 1, i_h, H, K,
+                     V, BK, o_v, m_v, DOT_PRECISION)
+
+
+# Segments shorter than this many chunks cost more in transitions than they win.
+MIN_SEGMENT_CHUNKS = 8
+_segment_tables: dict = {}
+
+
+def segment_chunks_for(programs: int, max_chunks: int) -> int:
+    """Chunks per segment for a pass of ``programs`` programs over sequences of at most
+    ``max_chunks`` chunks; 0 means no split. Split only when the programs cannot fill
+    the GPU twice over: the transitions cost about as much again as the pass."""
+    target = 2 * multiprocessor_count()
+    if programs >= target or max_chunks < 2 * MIN_SEGMENT_CHUNKS:
+        return 0
+    pieces = -(-target // programs)
+    return max(MIN_SEGMENT_CHUNKS, -(-max_chunks // pieces))
+
+
+def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``segments [P, 3]`` int32 rows (sequence, first chunk, end chunk) cutting each
+    sequence of the token offsets into pieces of ``chunks`` chunks, and ``seg_offsets
+    [N + 1]`` int32, the first segment of each sequence. Cached per (offsets, size)."""
+    key = (tuple(offsets), chunks, str(device))
+    cached = _segment_tables.get(key)
+    if cached is not None:
+        return cached
+    rows, starts = [], [0]
+    for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
+        total = -(-(eos - bos) // BT)
+        rows += [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
+        starts.append(len(rows))
+    tables = (torch.tensor(rows, dtype=torch.int32).to(device),
+              torch.tensor(starts, dtype=torch.int32).to(device))
+    if len(_segment_tables) >= 64:
+        _segment_tables.clear()
+    _segment_tables[key] = tables
+    return tables
 
 
 def chunk_gated_delta_rule_fwd_inter(
@@ -206,7 +362,8 @@ def chunk_gated_delta_rule_fwd_inter(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    num_sequences: int | None = None,
+    offsets: list[int] | None = None,
+    segment_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
@@ -219,8 +376,10 @@ def chunk_gated_delta_rule_fwd_inter(
         scale: the output scale.
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the state after each sequence.
-        cu_seqlens: ``[N + 1]`` packed-sequence offsets on q's device (B == 1).
-        num_sequences: N (B without ``cu_seqlens``).
+        cu_seqlens: ``[N + 1]`` packed-sequence offsets on q's device (B == 1), with
+            ``offsets`` its host copy.
+        segment_chunks: split sequences into segments of this many chunks (0: never;
+            None: when the GPU would otherwise be underused).
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype; ``final_state
@@ -228,15 +387,41 @@ def chunk_gated_delta_rule_fwd_inter(
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    N = num_sequences if num_sequences is not None else B
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    N = len(offsets) - 1
+    varlen = cu_seqlens is not None
     o = torch.empty_like(v)
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                    if output_final_state else None)
-    chunk_gated_delta_rule_fwd_inter_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
-        q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o, h0=initial_state,
-        ht=final_state, cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
-        BK=tile_width(K, 64), USE_G=g_cum is not None,
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-    )
+    common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
+                  cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
+                  BK=tile_width(K, 64), USE_G=g_cum is not None, IS_VARLEN=varlen,
+                  DOT_PRECISION=dot_precision(k.dtype))
+    kernel = chunk_gated_delta_rule_fwd_inter_kernel
+    if segment_chunks is None:
+        max_chunks = max(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
+        programs = N * H * triton.cdiv(V, _default(dict(V=V)).meta["BV"])
+        segment_chunks = segment_chunks_for(programs, max_chunks)
+    if not segment_chunks:
+        kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+            h0=initial_state, ht=final_state, segments=None,
+            USE_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False, **common)
+        return o, final_state
+
+    segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
+    P = segments.shape[0]
+    mx = torch.empty(P, H, K, K + V, dtype=torch.float32, device=k.device)
+    kernel[lambda meta: (triton.cdiv(K + V, meta["BV"]), H, P)](
+        h0=None, ht=mx, segments=segments, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
+        SPLIT=True, TRANSITION=True, **common)
+    seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
+    chunk_state_combine_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+        mx=mx, h0=initial_state, seg_h0=seg_h0, ht=final_state, seg_offsets=seg_offsets,
+        H=H, K=K, V=V, BK=tile_width(K, 64), USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state, DOT_PRECISION=dot_precision(torch.float32))
+    kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, P)](
+        h0=seg_h0, ht=None, segments=segments, USE_INITIAL_STATE=True,
+        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, **common)
     return o, final_state

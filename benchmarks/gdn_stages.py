@@ -1,0 +1,143 @@
+"""Per-kernel timings of ``chunk_gated_delta_rule`` on the GPU (ours only), for kernel work.
+
+    python -m benchmarks.gdn_stages [--shapes 1x8192x96x128 ...] [--tune] [--json FILE]
+
+For each shape (B, T, H, D; K = V = D; bf16 inputs, fp32 gates) prints the median
+``do_bench`` time of the whole op (fwd, fwd+bwd) and of each kernel of the forward and
+the backward, called as the op calls them, next to the bytes each must move at least
+and the rate that implies. The side-by-side comparison with the reference library is
+``benchmarks/run_side.py``; this script explains where our time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ["1x8192x96x128", "2x16384x16x128", "4x2048x16x128", "4x4096x64x128", "8x1024x8x64",
+          "8x2048x32x256", "1x65536x8x128"]
+
+
+def bench(fn, quick: bool) -> float:
+    import triton.testing
+    warm, rep = (10, 40) if quick else (25, 100)
+    return float(triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"))
+
+
+def make(shape: str, device="cuda"):
+    B, T, H, D = (int(x) for x in shape.split("x"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf = torch.bfloat16
+
+    def rnd(*s, dtype=bf):
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q = rnd(B, T, H, D)
+    k = F.normalize(rnd(B, T, H, D).float(), dim=-1).to(bf)
+    v = rnd(B, T, H, D)
+    g = F.logsigmoid(rnd(B, T, H, dtype=torch.float32)) / 16
+    beta = torch.rand(B, T, H, generator=gen, device=device).to(bf)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, D=D)
+
+
+def stage_times(x, quick: bool) -> dict:
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+    from fla.ops.gated_delta_rule.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+    from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
+
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    scale = x["D"] ** -0.5
+    t = {}
+    leaves = [t_.requires_grad_() for t_ in (q, k, v, g, beta)]
+    do = torch.randn_like(v)
+
+    def fwd():
+        with torch.no_grad():
+            chunk_gated_delta_rule(q, k, v, g, beta)
+
+    def fwdbwd():
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+        o.backward(do)
+        for leaf in leaves:
+            leaf.grad = None
+
+    t["op fwd"] = bench(fwd, quick)
+    t["op fwd+bwd"] = bench(fwdbwd, quick)
+    with torch.no_grad():
+        qd, kd, vd, gd, bd = (a.detach() for a in (q, k, v, g, beta))
+        g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(qd, kd, gd, bd)
+        t["fwd intra"] = bench(lambda: chunk_gated_delta_rule_fwd_intra(qd, kd, gd, bd), quick)
+        t["fwd inter"] = bench(lambda: chunk_gated_delta_rule_fwd_inter(
+            qd, kd, vd, g_cum, bd, Ai, Aqk, scale), quick)
+        w, u = recompute_w_u_fwd(kd, vd, bd, Ai, g_cum)
+        t["bwd recompute w,u"] = bench(lambda: recompute_w_u_fwd(kd, vd, bd, Ai, g_cum), quick)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(kd, w, u, g_cum)
+        t["bwd recompute h"] = bench(lambda: chunk_gated_delta_rule_fwd_h(kd, w, u, g_cum),
+                                     quick)
+        dv = chunk_bwd_dv_local(qd, kd, do, g_cum, scale)
+        t["bwd dv_local"] = bench(lambda: chunk_bwd_dv_local(qd, kd, do, g_cum, scale), quick)
+        dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(qd, kd, w, g_cum, None, None, do, dv,
+                                                      scale)
+        t["bwd dhu"] = bench(lambda: chunk_gated_delta_rule_bwd_dhu(
+            qd, kd, w, g_cum, None, None, do, dv, scale), quick)
+        dq, dk, dw, dg = chunk_bwd_dqkwg(qd, kd, v_new, w, g_cum, h, dv2, do, dh, scale)
+        t["bwd dqkwg"] = bench(lambda: chunk_bwd_dqkwg(qd, kd, v_new, w, g_cum, h, dv2, do, dh,
+                                                       scale), quick)
+        t["bwd wy"] = bench(lambda: prepare_wy_repr_bwd(kd, vd, bd, Ai, dw, dv2, g_cum), quick)
+    return t
+
+
+def floor_ms(x) -> dict:
+    """Compulsory bytes (q, k, v read, o written; bf16) at the measured copy rate."""
+    B, T, H, D = x["B"], x["T"], x["H"], x["D"]
+    tensor = B * T * H * D * 2
+    return {"fwd bytes": 4 * tensor, "fwdbwd bytes": 4 * tensor + 4 * tensor + 3 * tensor}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="*", default=SHAPES)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    src = torch.empty(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src), True) / 1e6
+    del src, dst
+    print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__} | copy "
+          f"{copy_gbps:.0f} GB/s", flush=True)
+    results = {}
+    for shape in args.shapes:
+        x = make(shape)
+        try:
+            t = stage_times(x, args.quick)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{shape}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            continue
+        floors = floor_ms(x)
+        t["fwd floor"] = floors["fwd bytes"] / copy_gbps / 1e6
+        results[shape] = t
+        print(f"== {shape}: " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()), flush=True)
+        del x
+        torch.cuda.empty_cache()
+    names = list(next(iter(results.values())).keys()) if results else []
+    print("\n| ms | " + " | ".join(results) + " |")
+    print("| --- |" + " --- |" * len(results))
+    for n in names:
+        print(f"| {n} | " + " | ".join(f"{results[s][n]:.3f}" for s in results) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbps": copy_gbps, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
