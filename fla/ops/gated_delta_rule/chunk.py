@@ -53,7 +53,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 chunk_indices, offsets):
         o, g_cum, A, final_state = _forward(q, k, v, g, beta, scale, initial_state,
                                             output_final_state, cu_seqlens, chunk_indices,
-                                            num_sequences)
+                                            offsets)
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices)
         ctx.scale = scale
         ctx.g_dtype = None if g is None else g.dtype
