@@ -43,7 +43,24 @@ def make(shape: str, device="cuda"):
     return dict(q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, D=D)
 
 
-def stage_times(x, quick: bool) -> dict:
+class Stages:
+    """Times each call: the first (compile included) as ``cold``, then ``do_bench``."""
+
+    def __init__(self, quick: bool):
+        self.quick, self.warm, self.cold = quick, {}, {}
+
+    def __call__(self, name, fn):
+        import time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        self.cold[name] = time.perf_counter() - t0
+        self.warm[name] = bench(fn, self.quick)
+        return out
+
+
+def stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
@@ -55,9 +72,21 @@ def stage_times(x, quick: bool) -> dict:
 
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     scale = x["D"] ** -0.5
-    t = {}
-    leaves = [t_.requires_grad_() for t_ in (q, k, v, g, beta)]
     do = torch.randn_like(v)
+    st = Stages(quick)
+    with torch.no_grad():
+        g_cum, Ai, Aqk = st("fwd intra", lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta))
+        st("fwd inter", lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk,
+                                                                 scale))
+        w, u = st("bwd recompute w,u", lambda: recompute_w_u_fwd(k, v, beta, Ai, g_cum))
+        h, v_new, _ = st("bwd recompute h", lambda: chunk_gated_delta_rule_fwd_h(k, w, u, g_cum))
+        dv = st("bwd dv_local", lambda: chunk_bwd_dv_local(q, k, do, g_cum, scale))
+        dh, dh0, dv2 = st("bwd dhu", lambda: chunk_gated_delta_rule_bwd_dhu(
+            q, k, w, g_cum, None, None, do, dv, scale))
+        dq, dk, dw, dg = st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv2,
+                                                                 do, dh, scale))
+        st("bwd wy", lambda: prepare_wy_repr_bwd(k, v, beta, Ai, dw, dv2, g_cum))
+    leaves = [t_.requires_grad_() for t_ in (q, k, v, g, beta)]
 
     def fwd():
         with torch.no_grad():
@@ -69,30 +98,9 @@ def stage_times(x, quick: bool) -> dict:
         for leaf in leaves:
             leaf.grad = None
 
-    t["op fwd"] = bench(fwd, quick)
-    t["op fwd+bwd"] = bench(fwdbwd, quick)
-    with torch.no_grad():
-        qd, kd, vd, gd, bd = (a.detach() for a in (q, k, v, g, beta))
-        g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(qd, kd, gd, bd)
-        t["fwd intra"] = bench(lambda: chunk_gated_delta_rule_fwd_intra(qd, kd, gd, bd), quick)
-        t["fwd inter"] = bench(lambda: chunk_gated_delta_rule_fwd_inter(
-            qd, kd, vd, g_cum, bd, Ai, Aqk, scale), quick)
-        w, u = recompute_w_u_fwd(kd, vd, bd, Ai, g_cum)
-        t["bwd recompute w,u"] = bench(lambda: recompute_w_u_fwd(kd, vd, bd, Ai, g_cum), quick)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(kd, w, u, g_cum)
-        t["bwd recompute h"] = bench(lambda: chunk_gated_delta_rule_fwd_h(kd, w, u, g_cum),
-                                     quick)
-        dv = chunk_bwd_dv_local(qd, kd, do, g_cum, scale)
-        t["bwd dv_local"] = bench(lambda: chunk_bwd_dv_local(qd, kd, do, g_cum, scale), quick)
-        dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(qd, kd, w, g_cum, None, None, do, dv,
-                                                      scale)
-        t["bwd dhu"] = bench(lambda: chunk_gated_delta_rule_bwd_dhu(
-            qd, kd, w, g_cum, None, None, do, dv, scale), quick)
-        dq, dk, dw, dg = chunk_bwd_dqkwg(qd, kd, v_new, w, g_cum, h, dv2, do, dh, scale)
-        t["bwd dqkwg"] = bench(lambda: chunk_bwd_dqkwg(qd, kd, v_new, w, g_cum, h, dv2, do, dh,
-                                                       scale), quick)
-        t["bwd wy"] = bench(lambda: prepare_wy_repr_bwd(kd, vd, bd, Ai, dw, dv2, g_cum), quick)
-    return t
+    st("op fwd", fwd)
+    st("op fwd+bwd", fwdbwd)
+    return st.warm, st.cold
 
 
 def floor_ms(x) -> dict:
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         x = make(shape)
         try:
-            t = stage_times(x, args.quick)
+            t, cold = stage_times(x, args.quick)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{shape}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             continue
@@ -126,6 +134,8 @@ def main(argv=None) -> int:
         t["fwd floor"] = floors["fwd bytes"] / copy_gbps / 1e6
         results[shape] = t
         print(f"== {shape}: " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()), flush=True)
+        print(f"   first call, s: " + ", ".join(f"{n} {v:.2f}" for n, v in cold.items()),
+              flush=True)
         del x
         torch.cuda.empty_cache()
     names = list(next(iter(results.values())).keys()) if results else []

@@ -49,10 +49,10 @@ def _space(args) -> list[Config]:
 
 
 @tuned(key=["K", "V", "BT", "q"], default=_default, space=_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_fwd_o_kernel(
     q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):

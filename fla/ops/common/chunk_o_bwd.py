@@ -40,10 +40,10 @@ def _dv_local_space(args) -> list[Config]:
 
 
 @tuned(key=["q", "K", "V", "BT", "USE_G"], default=_dv_local_default, space=_dv_local_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dv_local_kernel(
     q, k, do, dv, g, cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -147,10 +147,10 @@ def _dqkwg_space(args) -> list[Config]:
 
 
 @tuned(key=["k", "K", "V", "BT", "BK", "USE_G"], default=_dqkwg_default, space=_dqkwg_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
     q, k, v_new, w, g, h, dv2, do, dh, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):

@@ -45,10 +45,10 @@ def _space(args) -> list[Config]:
 
 
 @tuned(key=["K", "BT", "k"], default=_default, space=_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_scaled_dot_kkt_fwd_kernel(
     k, beta, g, A, cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_BETA: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):

@@ -69,10 +69,10 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, WITH_Q: tl.constexpr,
 
 
 @tuned(key=["K", "V", "k", "h0", "TRANSITION"], default=_default, space=_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
     q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -249,7 +249,7 @@ def _combine_space(args) -> list[Config]:
 
 
 @triton.jit
-def _affine_step(mx, src, dst, i_s, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _affine_step(mx, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, o_v, m_v, DOT_PRECISION: tl.constexpr):
     """dst[:, cols] = M_s src[:, cols] + X_s[:, cols] for segment ``i_s``'s transition
     ``mx[i_s, i_h] = [M | X]`` (K x (K + V)); ``src``/``dst`` point at K x V states."""
@@ -277,7 +277,7 @@ def _affine_step(mx, src, dst, i_s, i_h, H: tl.constexpr, K: tl.constexpr, V: tl
 @triton.jit
 def chunk_state_combine_kernel(
     mx, h0, seg_h0, ht, seg_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):

@@ -66,22 +66,22 @@ def _gate_block(b_A, b_gi, b_gj, b_beta_i, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
-def _beta_block(beta, row0, first, L, H: tl.constexpr, i_h):
+def _beta_block(beta, row0, first, L, H, i_h):
     o_i = first + tl.arange(0, 16)
     return tl.load(beta + (row0 + o_i) * H + i_h, mask=o_i < L, other=0.).to(tl.float32)
 
 
 @triton.jit
-def _gamma_block(g_cum, row0, first, L, H: tl.constexpr, i_h):
+def _gamma_block(g_cum, row0, first, L, H, i_h):
     o_i = first + tl.arange(0, 16)
     return tl.load(g_cum + (row0 + o_i) * H + i_h, mask=o_i < L, other=0.)
 
 
 @tuned(key=["K", "k"], default=_default, space=_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_intra_kernel(
     q, k, g, beta, g_cum, Ai, Aqk, cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
+    H, K: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (chunk, batch·head). ``q, k [B, T, H, K]``; ``g, beta, g_cum

@@ -44,10 +44,10 @@ def _space(args) -> list[Config]:
 
 
 @tuned(key=["K", "V", "BT", "k"], default=_default, space=_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def recompute_w_u_fwd_kernel(
     k, v, beta, A, g, w, u, cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):

@@ -163,14 +163,14 @@ def _config_space(args) -> list[Config]:
 
 
 @tuned(key=["A", "Ai", "BT"], default=_default_config, space=_config_space)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def solve_tril_kernel(
     A,
     Ai,
     cu_seqlens,
     chunk_indices,
     T,
-    H: tl.constexpr,
+    H,
     BT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr,
