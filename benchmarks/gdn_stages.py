@@ -103,6 +103,49 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
     return st.warm, st.cold
 
 
+def sweep(x, quick: bool) -> dict:
+    """Median time of every config in the tuning space of the fused forward's kernels."""
+    from fla.ops.gated_delta_rule.chunk_fwd_inter import (
+        chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
+    from fla.ops.gated_delta_rule.chunk_fwd_intra import (
+        chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_intra_kernel)
+
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    scale = x["D"] ** -0.5
+    out = {}
+    with torch.no_grad():
+        g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta)
+        for kernel, call in (
+                (chunk_gated_delta_rule_fwd_intra_kernel,
+                 lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta)),
+                (chunk_gated_delta_rule_fwd_inter_kernel,
+                 lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk, scale,
+                                                          segment_chunks=0))):
+            seen = {}
+            original = kernel.launch
+
+            def record(grid, args, kwargs, seen=seen, original=original):
+                seen.setdefault("kw", dict(kwargs))
+                return original(grid, args, kwargs)
+
+            kernel.launch = record
+            call()
+            kernel.launch = original
+            for config in kernel.candidates(seen["kw"]):
+                def forced(grid, args, kwargs, config=config):
+                    launch = {**kwargs, **config.launch_kwargs()}
+                    return kernel.kernel[grid(launch) if callable(grid) else grid](**launch)
+                kernel.launch = forced
+                try:
+                    out[f"{kernel.name.split('.')[-1][:30]} {config}"] = bench(call, quick)
+                except Exception as exc:  # noqa: BLE001
+                    out[f"{kernel.name.split('.')[-1][:30]} {config}"] = float("nan")
+                    print(f"   {config}: {type(exc).__name__}: {str(exc)[:200]}")
+                finally:
+                    kernel.launch = original
+    return out
+
+
 def floor_ms(x) -> dict:
     """Compulsory bytes (q, k, v read, o written; bf16) at the measured copy rate."""
     B, T, H, D = x["B"], x["T"], x["H"], x["D"]
@@ -115,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=SHAPES)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true",
+                   help="time every config of the fused forward's kernels instead")
     args = p.parse_args(argv)
     src = torch.empty(1 << 28, device="cuda")
     dst = torch.empty_like(src)
@@ -125,6 +170,14 @@ def main(argv=None) -> int:
     results = {}
     for shape in args.shapes:
         x = make(shape)
+        if args.sweep:
+            times = sweep(x, args.quick)
+            results[shape] = times
+            best = sorted(times.items(), key=lambda kv: kv[1])
+            print(f"== {shape} sweep:", flush=True)
+            for name, ms in times.items():
+                print(f"   {ms:8.4f}  {name}", flush=True)
+            continue
         try:
             t, cold = stage_times(x, args.quick)
         except Exception as exc:  # noqa: BLE001 - report and go on
@@ -138,6 +191,11 @@ def main(argv=None) -> int:
               flush=True)
         del x
         torch.cuda.empty_cache()
+    if args.sweep:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_gbps": copy_gbps, "sweep": results}, f, indent=1)
+        return 0
     names = list(next(iter(results.values())).keys()) if results else []
     print("\n| ms | " + " | ".join(results) + " |")
     print("| --- |" + " --- |" * len(results))

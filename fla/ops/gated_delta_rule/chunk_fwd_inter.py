@@ -39,7 +39,7 @@ from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_fwd_inter"]
 
-BT = 64  # the chunk size of chunk_fwd_intra's Ai and Aqk
+CHUNK = 64  # the chunk size of chunk_fwd_intra's Ai and Aqk
 
 
 def _default(args) -> Config:
@@ -88,6 +88,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     value ``[M | X]`` goes to ``ht [P, H, K, K + V]``.
     """
     W: tl.constexpr = K + V if TRANSITION else V
+    BT: tl.constexpr = 64  # (a module-level int is not readable inside @jit on Triton 3.6)
     i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if SPLIT:
         i_n = tl.load(segments + i_p * 3)
@@ -339,7 +340,7 @@ def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tenso
         return cached
     rows, starts = [], [0]
     for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
-        total = -(-(eos - bos) // BT)
+        total = -(-(eos - bos) // CHUNK)
         rows += [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
         starts.append(len(rows))
     tables = (torch.tensor(rows, dtype=torch.int32).to(device),
@@ -400,7 +401,7 @@ def chunk_gated_delta_rule_fwd_inter(
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
-        max_chunks = max(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
+        max_chunks = max(-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
         programs = N * H * triton.cdiv(V, _default(dict(V=V)).meta["BV"])
         segment_chunks = segment_chunks_for(programs, max_chunks)
     if not segment_chunks:

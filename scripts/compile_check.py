@@ -1,0 +1,176 @@
+"""Compile every Triton kernel an op launches for a GPU target, on a machine without one.
+
+    python scripts/compile_check.py [--arch 90] [--shape 1x256x4x128] [--dtype bf16]
+                                    [--configs default|all] [--resources]
+                                    [--only NAME] [--keep-cache]
+
+Runs ``chunk_gated_delta_rule`` forward + backward (and the fused recurrent op) on CPU
+tensors, but every launch of a tuned kernel is replaced by an offline compilation with
+``triton.compile`` for ``cuda:<arch>`` (nothing is executed: outputs stay
+uninitialised). For each kernel and config it prints the compile time and, with
+``--resources``, the registers, spills and shared memory cuobjdump reports. A kernel that fails
+to compile on the installed Triton is reported with the compiler's message.
+
+Why: the CPU interpreter accepts code that the compiler refuses (a module-level global
+inside ``@jit`` is one such case on Triton 3.6), and the cold-start budget (first call
+at a new shape in ≤ 10 s) is mostly compile time. This checks both without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+if "--keep-cache" not in sys.argv:
+    # Compile times are only meaningful without Triton's on-disk cache.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fla-compile-check-")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import fla.utils.backend as backend  # noqa: E402
+import fla.ops.utils.tiles as tiles  # noqa: E402
+from fla.utils.tuning import Config, TunedKernel  # noqa: E402
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+               torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
+def signature_of(fn, named: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) for ``triton.compile`` from the launch's named values."""
+    sig, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        value = named.get(name, param.default if param.has_default else None)
+        if param.is_constexpr or value is None:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + DTYPE_NAMES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name} = {value!r}")
+    return sig, constexprs
+
+
+def resource_report(cubin: bytes) -> str:
+    """Registers, spills and shared memory of a compiled kernel (cuobjdump's report)."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True,
+                             text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    smem = re.search(r"SHARED:(\d+)", text)
+    spill = re.search(r"LOCAL:(\d+)", text)
+    if not regs:
+        return "cuobjdump: " + text[-200:]
+    return (f"regs {regs.group(1)}, stack {stack.group(1) if stack else '?'} B, "
+            f"local {spill.group(1) if spill else '?'} B, smem {smem.group(1) if smem else '?'} B")
+
+
+class OfflineCompiler:
+    def __init__(self, arch: int, all_configs: bool, resources: bool):
+        self.target = GPUTarget("cuda", arch, 32)
+        self.arch, self.all_configs, self.resources = arch, all_configs, resources
+        self.seen: set = set()
+        self.only = ""
+        self.failures = 0
+        self.total_s = 0.0
+
+    def launch(self, tuned: TunedKernel, grid, args, kwargs):
+        if self.only not in tuned.name:
+            return
+        named = tuned._bind(args, kwargs)
+        configs = tuned.candidates(named) if self.all_configs else [tuned.default(named)]
+        for config in configs:
+            self.compile(tuned, config, named)
+
+    def compile(self, tuned: TunedKernel, config: Config, named: dict) -> None:
+        fn = tuned.kernel
+        launch_args = {**named, **config.meta}
+        sig, constexprs = signature_of(fn, launch_args)
+        key = (tuned.name, repr(sorted(sig.items())), repr(sorted(constexprs.items(), key=str)),
+               config.num_warps, config.num_stages)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        label = f"{tuned.name.split('.')[-1]} {config}"
+        t0 = time.perf_counter()
+        try:
+            compiled = triton.compile(ASTSource(fn, sig, constexprs), target=self.target,
+                                      options={"num_warps": config.num_warps,
+                                               "num_stages": config.num_stages})
+        except Exception as error:  # noqa: BLE001 - report every failure
+            self.failures += 1
+            print(f"FAIL  {label}: {type(error).__name__}: {str(error)[:1500]}", flush=True)
+            return
+        seconds = time.perf_counter() - t0
+        self.total_s += seconds
+        extra = f" | {resource_report(compiled.asm['cubin'])}" if self.resources else ""
+        print(f"ok    {seconds:6.2f} s  {label}{extra}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--shape", default="1x200x2x128", help="BxTxHxD")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--configs", default="default", choices=["default", "all"])
+    p.add_argument("--keep-cache", action="store_true",
+                   help="use Triton's usual cache (default: a fresh one, for compile times)")
+    p.add_argument("--only", default="", help="compile only kernels whose name has this")
+    p.add_argument("--split", action="store_true",
+                   help="force the segment split of the forward state pass")
+    p.add_argument("--resources", action="store_true",
+                   help="registers, stack, local (spill) and shared memory per kernel")
+    args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    B, T, H, D = (int(x) for x in args.shape.split("x"))
+
+    compiler = OfflineCompiler(args.arch, args.configs == "all", args.resources)
+    compiler.only = args.only
+    # The launchers run on CPU tensors as if on the GPU: Triton path chosen, kernels
+    # compiled instead of launched.
+    backend.is_interpreter = lambda: True
+    tiles.is_interpreter = lambda: True
+    TunedKernel.launch = lambda self, grid, a, kw: compiler.launch(self, grid, a, kw)
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    if args.split:
+        import fla.ops.gated_delta_rule.chunk_fwd_inter as inter
+        inter.segment_chunks_for = lambda programs, chunks: 1
+    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.shape} {args.dtype}",
+          flush=True)
+    t0 = time.perf_counter()
+    for op in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+        q, k, v = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.rand(B, T, H).neg().requires_grad_()
+        beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
+        h0 = torch.randn(B, H, D, D, requires_grad=True)
+        o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        (o.float().sum() + ht.sum()).backward()
+    print(f"{len(compiler.seen)} kernels compiled in {compiler.total_s:.1f} s "
+          f"({time.perf_counter() - t0:.1f} s wall), {compiler.failures} failed")
+    return 1 if compiler.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
