@@ -44,15 +44,23 @@ CHUNK = 64  # the chunk size of chunk_fwd_intra's Ai and Aqk
 
 def _default(args) -> Config:
     # BV = 32: a K = 128 state is 32 fp32 registers a thread at 4 warps, and a head's
-    # V = 128 is spread over 4 programs, which balances H = 96 heads over 132 SMs
-    # (384 programs, 3 a SM) better than BV = 64 (192 programs: 1.45 waves).
+    # V = 128 is spread over 4 programs. Measured on H100 (Triton 3.6, bf16, K = V = 128,
+    # 1x8192x96): 1.17 ms; the best other configs 1.18 (BV = 64, 3 stages) and 1.21;
+    # 2 warps 1.2-4.4 ms (spills).
     return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
 
 
 def _space(args) -> list[Config]:
+    if args["K"] > 128:
+        # K = 256 on H100 / Triton 3.6: BV = 64 at any warps and BV = 32 at 8 warps with
+        # 2 stages compiled to kernels that faulted with an illegal address, and 3 stages
+        # need more than the 227 KB of shared memory. Only what ran correctly stays.
+        return [Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=s)
+                for s in (1, 2)] + [Config(BV=tile_width(args["V"], 32), num_warps=8,
+                                           num_stages=1)]
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
     return [Config(BV=bv, num_warps=w, num_stages=s)
-            for bv in widths for w in (2, 4, 8) for s in (1, 2, 3)]
+            for bv in widths for w in (4, 8) for s in (1, 2, 3)]
 
 
 @triton.jit
@@ -321,12 +329,18 @@ _segment_tables: dict = {}
 
 def segment_chunks_for(programs: int, max_chunks: int) -> int:
     """Chunks per segment for a pass of ``programs`` programs over sequences of at most
-    ``max_chunks`` chunks; 0 means no split. Split only when the programs cannot fill
-    the GPU twice over: the transitions cost about as much again as the pass."""
-    target = 2 * multiprocessor_count()
-    if programs >= target or max_chunks < 2 * MIN_SEGMENT_CHUNKS:
+    ``max_chunks`` chunks; 0 means no split.
+
+    The transitions cost about as much again as the pass, so only a GPU left mostly idle
+    is worth it: on H100 (K = V = 128) 32 programs over 1024 chunks went from 3.74 ms to
+    1.38 with 64-chunk segments, while 128 programs over 256 chunks went from 0.99 ms
+    to 1.27. So split only below one program for every other SM, into pieces that give
+    about two programs an SM in the output pass.
+    """
+    sms = multiprocessor_count()
+    if 2 * programs >= sms or max_chunks < 2 * MIN_SEGMENT_CHUNKS:
         return 0
-    pieces = -(-target // programs)
+    pieces = -(-2 * sms // programs)
     return max(MIN_SEGMENT_CHUNKS, -(-max_chunks // pieces))
 
 

@@ -38,8 +38,9 @@ from fla.utils.validation import (
     check_tensor,
 )
 
-__all__ = ["solve_tril", "solve_tril_fwd", "CHUNK_SIZES", "unit_lower_inverse_16",
-           "merge_block_inverse_64", "store_block_inverse_64"]
+__all__ = ["solve_tril", "solve_tril_fwd", "CHUNK_SIZES", "unit_lower_inverse_blocks",
+           "stack_blocks_4", "unstack_blocks_4", "merge_block_inverse_64",
+           "store_block_inverse_64"]
 
 # Chunk sizes with a kernel: multiples of the 16 x 16 block (tl.dot needs >= 16 per
 # side), up to 64 = four blocks, where the 16 block products are all written out.
@@ -47,22 +48,44 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 @triton.jit
-def unit_lower_inverse_16(b_A):
-    """(I + A)⁻¹ of a 16 x 16 fp32 register tile A; only its strictly lower triangle is read.
+def unit_lower_inverse_blocks(b_A):
+    """(I + A_b)⁻¹ for each 16 x 16 block of a ``[NB, 16, 16]`` fp32 register tensor; only
+    the strictly lower triangle of each block is read.
 
     X = I + N with N strictly lower; row i of N is a + a·N with a = −A[i, :], which reads
-    only rows < i of N (already final), so rows are filled in order. Rows 0 and 1 need
-    no work. Forward substitution is used rather than a product of powers of A: the
-    powers grow like binomial coefficients and their rounding would swamp the result.
+    only rows < i of N (already final), so rows are filled in order; the NB blocks take
+    their steps together (15 steps whatever NB, rows 0 and 1 needing none). Forward
+    substitution rather than a product of powers of A: the powers grow like binomial
+    coefficients and their rounding would swamp the result.
     """
     o_i = tl.arange(0, 16)
-    b_A = tl.where(o_i[:, None] > o_i[None, :], b_A, 0.)
+    rows = o_i[None, :, None]
+    cols = o_i[None, None, :]
+    b_A = tl.where(rows > cols, b_A, 0.)
     b_N = -b_A
     for i in tl.static_range(2, 16):
-        b_a = -tl.sum(tl.where((o_i == i)[:, None], b_A, 0.), 0)
-        b_a += tl.sum(b_a[:, None] * b_N, 0)
-        b_N = tl.where((o_i == i)[:, None], b_a[None, :], b_N)
-    return b_N + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+        sel = rows == i
+        b_a = -tl.sum(tl.where(sel, b_A, 0.), 1)
+        b_a += tl.sum(b_a[:, :, None] * b_N, 1)
+        b_N = tl.where(sel, b_a[:, None, :], b_N)
+    return b_N + (rows == cols).to(tl.float32)
+
+
+@triton.jit
+def stack_blocks_4(b_1, b_2, b_3, b_4):
+    """Four [16, 16] tiles as one [4, 16, 16] tensor, in that order."""
+    b_x = tl.join(tl.join(b_1, b_2), tl.join(b_3, b_4))      # [16, 16, 2 (1|2, 3|4), 2]
+    return tl.reshape(tl.permute(b_x, (3, 2, 0, 1)), (4, 16, 16))
+
+
+@triton.jit
+def unstack_blocks_4(b_x):
+    """The inverse of :func:`stack_blocks_4`: [4, 16, 16] -> four [16, 16] tiles."""
+    b_x = tl.permute(tl.reshape(b_x, (2, 2, 16, 16)), (2, 3, 1, 0))
+    b_12, b_34 = tl.split(b_x)
+    b_1, b_2 = tl.split(b_12)
+    b_3, b_4 = tl.split(b_34)
+    return b_1, b_2, b_3, b_4
 
 
 @triton.jit
@@ -144,9 +167,13 @@ def store_block_inverse_64(Ai, stride, L, b_D1, b_D2, b_D3, b_D4, b_X21, b_X31, 
 
 
 @triton.jit
-def _invert_diagonal_block(A, stride, first, L):
-    """(I + A_dd)⁻¹ for the 16 x 16 diagonal block starting at row/column ``first``."""
-    return unit_lower_inverse_16(_load_block(A, stride, first, first, L))
+def _invert_diagonal_blocks(A, stride, L, NB: tl.constexpr):
+    """(I + A_dd)⁻¹ of the NB 16 x 16 diagonal blocks of a chunk, as [NB, 16, 16]."""
+    o_b = tl.arange(0, NB)[:, None, None]
+    o_i = tl.arange(0, 16)
+    rows = o_b * 16 + o_i[None, :, None]
+    b_A = tl.load(A + rows * stride + o_b * 16 + o_i[None, None, :], mask=rows < L, other=0)
+    return unit_lower_inverse_blocks(b_A.to(tl.float32))
 
 
 def _default_config(args) -> Config:
@@ -187,20 +214,18 @@ def solve_tril_kernel(
     Ai += offset
     stride = H * BT
 
-    b_D1 = _invert_diagonal_block(A, stride, 0, L)
     if BT == 16:
+        b_D1 = tl.reshape(_invert_diagonal_blocks(A, stride, L, 1), (16, 16))
         store_block_16(Ai, stride, 0, 0, L, b_D1)
     if BT == 32:
-        b_D2 = _invert_diagonal_block(A, stride, 16, L)
+        b_D1, b_D2 = tl.split(tl.permute(_invert_diagonal_blocks(A, stride, L, 2), (1, 2, 0)))
         b_X21 = merge_block_inverse_32(b_D1, b_D2, _load_block(A, stride, 16, 0, L), PRECISION)
         store_block_16(Ai, stride, 0, 0, L, b_D1)
         store_block_16(Ai, stride, 0, 16, L, tl.zeros([16, 16], dtype=tl.float32))
         store_block_16(Ai, stride, 16, 0, L, b_X21)
         store_block_16(Ai, stride, 16, 16, L, b_D2)
     if BT == 64:
-        b_D2 = _invert_diagonal_block(A, stride, 16, L)
-        b_D3 = _invert_diagonal_block(A, stride, 32, L)
-        b_D4 = _invert_diagonal_block(A, stride, 48, L)
+        b_D1, b_D2, b_D3, b_D4 = unstack_blocks_4(_invert_diagonal_blocks(A, stride, L, 4))
         b_X21, b_X31, b_X32, b_X41, b_X42, b_X43 = merge_block_inverse_64(
             b_D1, b_D2, b_D3, b_D4, _load_block(A, stride, 16, 0, L),
             _load_block(A, stride, 32, 0, L), _load_block(A, stride, 32, 16, L),
