@@ -103,7 +103,7 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
     return st.warm, st.cold
 
 
-def sweep(x, quick: bool) -> dict:
+def sweep(x, quick: bool, only: str = "") -> dict:
     """Median time of every config in the tuning space of the fused forward's kernels."""
     from fla.ops.gated_delta_rule.chunk_fwd_inter import (
         chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
@@ -121,6 +121,8 @@ def sweep(x, quick: bool) -> dict:
                 (chunk_gated_delta_rule_fwd_inter_kernel,
                  lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk, scale,
                                                           segment_chunks=0))):
+            if only not in kernel.name:
+                continue
             seen = {}
             original = kernel.launch
 
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", action="store_true",
                    help="time every config of the fused forward's kernels instead")
+    p.add_argument("--only", default="", help="with --sweep: kernels whose name has this")
     args = p.parse_args(argv)
     src = torch.empty(1 << 28, device="cuda")
     dst = torch.empty_like(src)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         x = make(shape)
         if args.sweep:
-            times = sweep(x, args.quick)
+            times = sweep(x, args.quick, args.only)
             results[shape] = times
             best = sorted(times.items(), key=lambda kv: kv[1])
             print(f"== {shape} sweep:", flush=True)

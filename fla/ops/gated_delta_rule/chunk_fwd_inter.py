@@ -59,8 +59,11 @@ def _space(args) -> list[Config]:
                 for s in (1, 2)] + [Config(BV=tile_width(args["V"], 32), num_warps=8,
                                            num_stages=1)]
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
-    return [Config(BV=bv, num_warps=w, num_stages=s)
-            for bv in widths for w in (4, 8) for s in (1, 2, 3)]
+    configs = [Config(BV=bv, num_warps=w, num_stages=s)
+               for bv in widths for w in (4, 8) for s in (1, 2, 3)]
+    # One program per head and value width up to 128, on two warpgroups.
+    configs += [Config(BV=tile_width(args["V"], 128), num_warps=8, num_stages=s) for s in (2, 3)]
+    return list(dict.fromkeys(configs))
 
 
 @triton.jit
