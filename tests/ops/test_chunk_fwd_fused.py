@@ -203,7 +203,7 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
             calls = _record_launch(m, kernel)
             call()
         configs = kernel.candidates(calls[0][1])
-        assert len(configs) >= 3, f"{kernel.name}: a space of {len(configs)} configs"
+        assert len(configs) >= 2, f"{kernel.name}: a space of {len(configs)} configs"
         for config in configs:
             with monkeypatch.context() as m:
                 _force_config(m, kernel, config)
