@@ -163,6 +163,13 @@ def floor_ms(x) -> dict:
     return {"fwd bytes": 4 * tensor, "fwdbwd bytes": 4 * tensor + 4 * tensor + 3 * tensor}
 
 
+def copy_bandwidth_gbps() -> float:
+    """A 1 GiB device-to-device copy, bytes read + written per second (GB/s)."""
+    src = torch.empty(1 << 28, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / bench(lambda: dst.copy_(src), True) / 1e6
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=SHAPES)
@@ -172,10 +179,7 @@ def main(argv=None) -> int:
                    help="time every config of the fused forward's kernels instead")
     p.add_argument("--only", default="", help="with --sweep: kernels whose name has this")
     args = p.parse_args(argv)
-    src = torch.empty(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src), True) / 1e6
-    del src, dst
+    copy_gbps = copy_bandwidth_gbps()
     print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__} | copy "
           f"{copy_gbps:.0f} GB/s", flush=True)
     results = {}
@@ -184,7 +188,6 @@ def main(argv=None) -> int:
         if args.sweep:
             times = sweep(x, args.quick, args.only)
             results[shape] = times
-            best = sorted(times.items(), key=lambda kv: kv[1])
             print(f"== {shape} sweep:", flush=True)
             for name, ms in times.items():
                 print(f"   {ms:8.4f}  {name}", flush=True)
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
         t["fwd floor"] = floors["fwd bytes"] / copy_gbps / 1e6
         results[shape] = t
         print(f"== {shape}: " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()), flush=True)
-        print(f"   first call, s: " + ", ".join(f"{n} {v:.2f}" for n, v in cold.items()),
+        print("   first call, s: " + ", ".join(f"{n} {v:.2f}" for n, v in cold.items()),
               flush=True)
         del x
         torch.cuda.empty_cache()

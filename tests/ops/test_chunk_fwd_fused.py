@@ -19,7 +19,8 @@ from fla.ops.gated_delta_rule.chunk_fwd_intra import (
     chunk_gated_delta_rule_fwd_intra_kernel,
 )
 from fla.ops.utils.index import prepare_chunk_indices
-from tests.helpers import assert_rel_close, generator, rel_error
+from tests.helpers import assert_rel_close, generator
+from tests.ops.config_sweep import sweep_configs
 from tests.ops.test_chunk_stages_fwd import (
     DTYPES,
     F64,
@@ -160,26 +161,6 @@ def test_inter_without_initial_or_final_state(device, seed):
 
 
 # ------------------------------------------------------------------------------- GPU
-def _record_launch(monkeypatch, tuned_kernel):
-    calls = []
-    original = tuned_kernel.launch
-
-    def launch(grid, args, kwargs):
-        calls.append((grid, dict(kwargs)))
-        return original(grid, args, kwargs)
-
-    monkeypatch.setattr(tuned_kernel, "launch", launch)
-    return calls
-
-
-def _force_config(monkeypatch, tuned_kernel, config):
-    def launch(grid, args, kwargs):
-        launch_args = {**kwargs, **config.launch_kwargs()}
-        return tuned_kernel.kernel[grid(launch_args) if callable(grid) else grid](**launch_args)
-
-    monkeypatch.setattr(tuned_kernel, "launch", launch)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
@@ -192,30 +173,10 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
                                     p["h0"], None)
     Ai_ref = ref_tinv(ref_kkt(p["k"], p["beta"], g_cum, None, 64), None, 64)
     stages = [
-        (chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:],
+        ("intra", chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:],
          (Ai_ref, ref_aqk(p["q"], p["k"], g_cum, None)), 1e-2),
-        (chunk_gated_delta_rule_fwd_inter_kernel, lambda: run_inter(p, True, Ai, Aqk),
+        ("inter", chunk_gated_delta_rule_fwd_inter_kernel, lambda: run_inter(p, True, Ai, Aqk),
          (o_ref, ht_ref), 1e-2),
     ]
-    failures = []
-    for kernel, call, refs, bound in stages:
-        with monkeypatch.context() as m:
-            calls = _record_launch(m, kernel)
-            call()
-        configs = kernel.candidates(calls[0][1])
-        assert len(configs) >= 2, f"{kernel.name}: a space of {len(configs)} configs"
-        for config in configs:
-            with monkeypatch.context() as m:
-                _force_config(m, kernel, config)
-                try:
-                    outs = call()
-                    torch.cuda.synchronize()
-                except Exception as error:  # noqa: BLE001 - report every failing config
-                    failures.append(f"{kernel.name} {config}: {type(error).__name__}: "
-                                    f"{str(error)[:300]}")
-                    continue
-            for out, ref in zip(outs, refs):
-                err = rel_error(out, ref)
-                if not err <= bound:
-                    failures.append(f"{kernel.name} {config}: relative error {err:.2e}")
+    failures = sweep_configs(monkeypatch, stages, min_configs=2)
     assert not failures, "\n".join(failures)

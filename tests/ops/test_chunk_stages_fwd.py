@@ -32,10 +32,10 @@ from tests.helpers import (
     l2_normalized,
     log_gate,
     randn,
-    rel_error,
     uneven_lengths,
     unit_interval,
 )
+from tests.ops.config_sweep import sweep_configs
 
 HAS_CUDA = torch.cuda.is_available()
 F64 = torch.float64
@@ -459,29 +459,6 @@ def test_field_call_issue_3(seed):
     assert_rel_close("final_state", ht, ref_ht, 1e-2)
 
 
-def _record_launch(monkeypatch, tuned_kernel):
-    """Capture the (grid, kwargs) of the launcher's calls of ``tuned_kernel``."""
-    calls = []
-    original = tuned_kernel.launch
-
-    def launch(grid, args, kwargs):
-        assert not args, "launchers pass kernel arguments by name"
-        calls.append((grid, dict(kwargs)))
-        return original(grid, args, kwargs)
-
-    monkeypatch.setattr(tuned_kernel, "launch", launch)
-    return calls
-
-
-def _force_config(monkeypatch, tuned_kernel, config):
-    """Launch ``tuned_kernel`` with ``config`` exactly (no fallback to another config)."""
-    def launch(grid, args, kwargs):
-        launch_args = {**kwargs, **config.launch_kwargs()}
-        return tuned_kernel.kernel[grid(launch_args) if callable(grid) else grid](**launch_args)
-
-    monkeypatch.setattr(tuned_kernel, "launch", launch)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [128, 256])
 def test_every_tuning_config(seed, monkeypatch, D):
@@ -507,25 +484,5 @@ def test_every_tuning_config(seed, monkeypatch, D):
          lambda: (chunk_fwd_o(q, k, vn, h, gc),),
          (ref_fwd_o(q, k, vn, h, gc, p["scale"], None, 64),), 1e-2),
     ]
-    failures = []
-    for name, kernel, call, refs, bound in stages:
-        with monkeypatch.context() as m:
-            calls = _record_launch(m, kernel)
-            call()
-        configs = kernel.candidates(calls[0][1])
-        assert len(configs) >= 12, f"{name}: tuning space of {len(configs)} configs"
-        for config in configs:
-            with monkeypatch.context() as m:
-                _force_config(m, kernel, config)
-                try:
-                    outs = call()
-                    torch.cuda.synchronize()
-                except Exception as error:  # noqa: BLE001 - report every failing config
-                    failures.append(f"{name} {config}: {type(error).__name__}: "
-                                    f"{str(error)[:300]}")
-                    continue
-            for out, ref in zip(outs, refs):
-                err = rel_error(out, ref)
-                if not err <= bound:
-                    failures.append(f"{name} {config}: relative error {err:.2e} > {bound}")
+    failures = sweep_configs(monkeypatch, stages, min_configs=12)
     assert not failures, "\n".join(failures)
