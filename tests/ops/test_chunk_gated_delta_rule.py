@@ -172,12 +172,13 @@ def test_new_lengths_and_cu_seqlens_neither_retune_nor_recompile(seed):
     no kernel may be compiled or tuned again."""
     from fla.ops.common import chunk_delta_h, chunk_o, chunk_o_bwd, chunk_scaled_dot_kkt
     from fla.ops.common import chunk_delta_h_bwd
-    from fla.ops.gated_delta_rule import wy_fast, wy_fast_bwd
+    from fla.ops.gated_delta_rule import chunk_fwd_inter, chunk_fwd_intra, wy_fast, wy_fast_bwd
     from fla.ops.utils import cumsum, solve_tril
     from fla.utils.tuning import TunedKernel
 
-    kernels = [obj for module in (chunk_delta_h, chunk_o, chunk_o_bwd, chunk_scaled_dot_kkt,
-                                  chunk_delta_h_bwd, wy_fast, wy_fast_bwd, cumsum, solve_tril)
+    kernels = [obj for module in (chunk_fwd_intra, chunk_fwd_inter, chunk_delta_h, chunk_o,
+                                  chunk_o_bwd, chunk_scaled_dot_kkt, chunk_delta_h_bwd, wy_fast,
+                                  wy_fast_bwd, cumsum, solve_tril)
                for obj in vars(module).values() if isinstance(obj, TunedKernel)]
     gen = generator(seed)
 
