@@ -13,6 +13,10 @@ Facts we rely on (and why they matter):
 * ``triton.autotune`` with several configs fails in the interpreter without a GPU
   driver; our tuning layer (``fla.utils.tuning``) never calls it.
 * Some releases have no direct bf16 -> fp16 conversion; kernels cast through fp32.
+* Triton 3.3's interpreter holds scalar kernel arguments as one-element arrays and turns
+  them into loop bounds with ``int()``, which NumPy 2 refuses ("only 0-dimensional
+  arrays can be converted"): interpreter runs on Triton 3.3 need NumPy < 2 (the whole
+  suite passed on Triton 3.3.1 with NumPy 1.26.4). Compiled kernels are unaffected.
 """
 from __future__ import annotations
 
