@@ -65,8 +65,8 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.gated_delta_rule.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
-    from fla.ops.gated_delta_rule.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+    from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
 
@@ -105,9 +105,9 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
 
 def sweep(x, quick: bool, only: str = "") -> dict:
     """Median time of every config in the tuning space of the fused forward's kernels."""
-    from fla.ops.gated_delta_rule.chunk_fwd_inter import (
+    from fla.ops.common.chunk_fwd_inter import (
         chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
-    from fla.ops.gated_delta_rule.chunk_fwd_intra import (
+    from fla.ops.common.chunk_fwd_intra import (
         chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_intra_kernel)
 
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]

@@ -3,9 +3,10 @@
     python scripts/compile_check.py [--arch 90] [--shape 1x256x4x128] [--dtype bf16]
                                     [--configs default|all] [--resources]
                                     [--only NAME] [--keep-cache]
+                                    [--ops gated_delta_rule,simple_gla]
 
-Runs ``chunk_gated_delta_rule`` forward + backward (and the fused recurrent op) on CPU
-tensors, but every launch of a tuned kernel is replaced by an offline compilation with
+Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forward +
+backward on CPU tensors, but every launch of a tuned kernel is replaced by an offline compilation with
 ``triton.compile`` for ``cuda:<arch>`` (nothing is executed: outputs stay
 uninitialised). For each kernel and config it prints the compile time and, with
 ``--resources``, the registers, spills and shared memory cuobjdump reports. A kernel that fails
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
                    help="force the segment split of the forward state pass")
     p.add_argument("--resources", action="store_true",
                    help="registers, stack, local (spill) and shared memory per kernel")
+    p.add_argument("--ops", default="gated_delta_rule",
+                   help="comma-separated families: gated_delta_rule, simple_gla")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     B, T, H, D = (int(x) for x in args.shape.split("x"))
@@ -154,19 +157,29 @@ def main(argv=None) -> int:
     TunedKernel.launch = lambda self, grid, a, kw: compiler.launch(self, grid, a, kw)
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+    families = {
+        "gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
+        "simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
+    }
     if args.split:
-        import fla.ops.gated_delta_rule.chunk_fwd_inter as inter
+        import fla.ops.common.chunk_fwd_inter as inter
         inter.segment_chunks_for = lambda programs, chunks: 1
     print(f"triton {triton.__version__}, target sm_{args.arch}, {args.shape} {args.dtype}",
           flush=True)
     t0 = time.perf_counter()
-    for op in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
-        q, k, v = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True) for _ in range(3))
-        g = torch.rand(B, T, H).neg().requires_grad_()
-        beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
-        h0 = torch.randn(B, H, D, D, requires_grad=True)
-        o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        (o.float().sum() + ht.sum()).backward()
+    for family in args.ops.split(","):
+        for op in families[family]:
+            q, k, v = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            g = torch.rand(B, T, H).neg().requires_grad_()
+            h0 = torch.randn(B, H, D, D, requires_grad=True)
+            if family == "gated_delta_rule":
+                beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
+                o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+            else:
+                o, ht = op(q, k, v, g, initial_state=h0, output_final_state=True)
+            (o.float().sum() + ht.sum()).backward()
     print(f"{len(compiler.seen)} kernels compiled in {compiler.total_s:.1f} s "
           f"({time.perf_counter() - t0:.1f} s wall), {compiler.failures} failed")
     return 1 if compiler.failures else 0

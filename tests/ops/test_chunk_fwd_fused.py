@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fla.ops.gated_delta_rule.chunk_fwd_inter import (
+from fla.ops.common.chunk_fwd_inter import (
     chunk_gated_delta_rule_fwd_inter,
     chunk_gated_delta_rule_fwd_inter_kernel,
 )
-from fla.ops.gated_delta_rule.chunk_fwd_intra import (
+from fla.ops.common.chunk_fwd_intra import (
     chunk_gated_delta_rule_fwd_intra,
     chunk_gated_delta_rule_fwd_intra_kernel,
 )

@@ -43,7 +43,7 @@ def test_chunk_varlen_uneven_sequences(dtype, device, seed):
 def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
     """The forward's state pass split into segments (what few long sequences get on a
     large GPU), forced at every chunk here: same outputs, states and gradients."""
-    from fla.ops.gated_delta_rule import chunk_fwd_inter
+    from fla.ops.common import chunk_fwd_inter
     monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda programs, chunks: 1)
     gen = generator(seed)
     lengths = uneven_lengths(2, gen, low=30, high=200)
@@ -171,8 +171,8 @@ def test_new_lengths_and_cu_seqlens_neither_retune_nor_recompile(seed):
     """Packed-sequence training changes T and cu_seqlens every step: after the first call
     no kernel may be compiled or tuned again."""
     from fla.ops.common import chunk_delta_h, chunk_o, chunk_o_bwd, chunk_scaled_dot_kkt
-    from fla.ops.common import chunk_delta_h_bwd
-    from fla.ops.gated_delta_rule import chunk_fwd_inter, chunk_fwd_intra, wy_fast, wy_fast_bwd
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_fwd_intra
+    from fla.ops.gated_delta_rule import wy_fast, wy_fast_bwd
     from fla.ops.utils import cumsum, solve_tril
     from fla.utils.tuning import TunedKernel
 

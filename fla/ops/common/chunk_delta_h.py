@@ -6,6 +6,9 @@ the chunk-local cumulative log decay (γ_C at the chunk's last valid token):
     h[chunk] = S
     Vn       = U − W · S
     S        ← exp(γ_C) · S + (K ⊙ exp(γ_C − γ))ᵀ · Vn
+
+Without W (``w=None``) Vn = U: the state pass of simple GLA (ALGORITHMS.md §2), which
+calls this stage with U = V.
 """
 from __future__ import annotations
 
@@ -59,12 +62,12 @@ def _space(args) -> list[Config]:
     return list(dict.fromkeys(configs))
 
 
-@tuned(key=["K", "V", "BT", "k"], default=_default, space=_space)
+@tuned(key=["K", "V", "BT", "k", "w"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_h_kernel(
     k, w, u, g, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     SAVE_NEW_VALUE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -127,24 +130,25 @@ def chunk_gated_delta_rule_fwd_h_kernel(
         if K > 3 * BK:
             tl.store(p_h + 3 * BK * V, b_h4.to(h.dtype.element_ty), mask=m_s4)
 
-        # Vn = U − W·S (16-bit operands, fp32 accumulation).
-        p_w = w + (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
-        b_w = tl.load(p_w, mask=m_t[:, None] & (o_k < K)[None, :], other=0.)
-        b_v = tl.dot(b_w, b_h1.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
-        if K > BK:
-            b_w = tl.load(p_w + BK, mask=m_t[:, None] & (BK + o_k < K)[None, :], other=0.)
-            b_v += tl.dot(b_w, b_h2.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
-        if K > 2 * BK:
-            b_w = tl.load(p_w + 2 * BK, mask=m_t[:, None] & (2 * BK + o_k < K)[None, :],
-                          other=0.)
-            b_v += tl.dot(b_w, b_h3.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
-        if K > 3 * BK:
-            b_w = tl.load(p_w + 3 * BK, mask=m_t[:, None] & (3 * BK + o_k < K)[None, :],
-                          other=0.)
-            b_v += tl.dot(b_w, b_h4.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
         o_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(u + o_tv, mask=m_tv, other=0.).to(tl.float32) - b_v
+        b_v = tl.load(u + o_tv, mask=m_tv, other=0.).to(tl.float32)
+        if USE_W:
+            # Vn = U − W·S (16-bit operands, fp32 accumulation).
+            p_w = w + (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
+            b_w = tl.load(p_w, mask=m_t[:, None] & (o_k < K)[None, :], other=0.)
+            b_v -= tl.dot(b_w, b_h1.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+            if K > BK:
+                b_w = tl.load(p_w + BK, mask=m_t[:, None] & (BK + o_k < K)[None, :], other=0.)
+                b_v -= tl.dot(b_w, b_h2.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+            if K > 2 * BK:
+                b_w = tl.load(p_w + 2 * BK, mask=m_t[:, None] & (2 * BK + o_k < K)[None, :],
+                              other=0.)
+                b_v -= tl.dot(b_w, b_h3.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
+            if K > 3 * BK:
+                b_w = tl.load(p_w + 3 * BK, mask=m_t[:, None] & (3 * BK + o_k < K)[None, :],
+                              other=0.)
+                b_v -= tl.dot(b_w, b_h4.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
         if SAVE_NEW_VALUE:
             tl.store(v_new + o_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
 
@@ -194,7 +198,7 @@ def chunk_gated_delta_rule_fwd_h_kernel(
 
 def chunk_gated_delta_rule_fwd_h(
     k: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     u: torch.Tensor,
     g: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
@@ -208,7 +212,8 @@ def chunk_gated_delta_rule_fwd_h(
     """The sequential pass over chunks of the gated delta rule (ALGORITHMS.md §1).
 
     Args:
-        k, w: ``[B, T, H, K]`` keys and the W factor (same dtype: fp32/fp16/bf16), K ≤ 256.
+        k, w: ``[B, T, H, K]`` keys and the W factor (same dtype: fp32/fp16/bf16), K ≤ 256;
+            w may be None (Vn = U: simple GLA's state pass).
         u: ``[B, T, H, V]`` the U factor (k's dtype), V ≤ 256.
         g: ``[B, T, H]`` chunk-local cumulative natural-log decay γ, what
             ``chunk_local_cumsum`` returns (None: no decay).
@@ -235,9 +240,10 @@ def chunk_gated_delta_rule_fwd_h(
     check_shape("k", k, token_layout("B T H K", head_first), dims)
     check_positive_length(dims)
     check_head_dim("k", dims["K"], "K")
-    check_tensor("w", w)
-    check_dtype("w", w, (k.dtype,))
-    check_shape("w", w, token_layout("B T H K", head_first), dims)
+    if w is not None:
+        check_tensor("w", w)
+        check_dtype("w", w, (k.dtype,))
+        check_shape("w", w, token_layout("B T H K", head_first), dims)
     check_tensor("u", u)
     check_dtype("u", u, (k.dtype,))
     check_shape("u", u, token_layout("B T H V", head_first), dims)
@@ -257,14 +263,16 @@ def chunk_gated_delta_rule_fwd_h(
         check_shape("initial_state", initial_state, "N H K V", dims)
 
     if head_first:
-        k, w, u = (x.transpose(1, 2) for x in (k, w, u))
+        k, u = k.transpose(1, 2), u.transpose(1, 2)
+        w = None if w is None else w.transpose(1, 2)
         g = None if g is None else g.transpose(1, 2)
 
     if select_backend(k, w, u, g, initial_state) is Backend.TORCH:
         h, v_new, final_state = chunk_gated_delta_rule_fwd_h_torch(
             k, w, u, g, initial_state, output_final_state, offsets, BT, save_new_value)
     else:
-        k, w, u = k.contiguous(), w.contiguous(), u.contiguous()
+        k, u = k.contiguous(), u.contiguous()
+        w = None if w is None else w.contiguous()
         g = None if g is None else g.contiguous()
         h0 = None if initial_state is None else initial_state.contiguous()
         if offsets is not None:
@@ -282,7 +290,8 @@ def chunk_gated_delta_rule_fwd_h(
             k=k, w=w, u=u, g=g, h=h, v_new=v_new, h0=h0, ht=final_state,
             cu_seqlens=cu_seqlens if offsets is not None else None,
             chunk_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=BT,
-            BK=tile_width(K, 64), USE_G=g is not None, USE_INITIAL_STATE=h0 is not None,
+            BK=tile_width(K, 64), USE_G=g is not None, USE_W=w is not None,
+            USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=output_final_state, SAVE_NEW_VALUE=save_new_value,
             IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),
         )

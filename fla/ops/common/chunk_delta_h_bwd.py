@@ -13,6 +13,8 @@ Backward, from the last chunk to the first with the adjoint dS = ∂L/∂S' (sta
     dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS                   (``dv2``: the full gradient of Vn)
     dS  ← exp(γ_L) dS + scale·(Q ⊙ exp(γ))ᵀ dO − Wᵀ dVn       (∂L/∂S, S entering the chunk)
 
+Without W (simple GLA: Vn = U = V) the last term drops and dVn is dV.
+
 ``dv_local`` is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s output. The gradient
 of ``initial_state`` is dS after the first chunk of each sequence.
 """
@@ -47,13 +49,14 @@ def _dhu_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in stages]
 
 
-@tuned(key=["k", "K", "V", "BT", "USE_G", "USE_INITIAL_STATE", "USE_FINAL_STATE_GRADIENT"],
+@tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "USE_INITIAL_STATE",
+             "USE_FINAL_STATE_GRADIENT"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
     q, k, w, g, dht, dh0, do, dh, dv, dv2, cu_seqlens, chunk_offsets, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -170,42 +173,55 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_qscale = tl.full([BT], scale, dtype=tl.float32)
 
         b_q = tl.load(q + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
-        b_w = tl.load(w + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        if USE_W:
+            b_w = tl.load(w + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :],
+                          other=0.)
         b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
         if USE_G:
             b_dh1 *= b_last
         b_dh1 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
-        b_dh1 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+        if USE_W:
+            b_dh1 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c,
+                            input_precision=DOT_PRECISION)
         if K > BK:
             b_q = tl.load(q + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                           other=0.)
-            b_w = tl.load(w + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
-                          other=0.)
+            if USE_W:
+                b_w = tl.load(w + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
+                              other=0.)
             b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh2 *= b_last
             b_dh2 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
-            b_dh2 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+            if USE_W:
+                b_dh2 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c,
+                                input_precision=DOT_PRECISION)
         if K > 2 * BK:
             b_q = tl.load(q + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                           other=0.)
-            b_w = tl.load(w + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
-                          other=0.)
+            if USE_W:
+                b_w = tl.load(w + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
+                              other=0.)
             b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh3 *= b_last
             b_dh3 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
-            b_dh3 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+            if USE_W:
+                b_dh3 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c,
+                                input_precision=DOT_PRECISION)
         if K > 3 * BK:
             b_q = tl.load(q + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                           other=0.)
-            b_w = tl.load(w + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
-                          other=0.)
+            if USE_W:
+                b_w = tl.load(w + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
+                              other=0.)
             b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh4 *= b_last
             b_dh4 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
-            b_dh4 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c, input_precision=DOT_PRECISION)
+            if USE_W:
+                b_dh4 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c,
+                                input_precision=DOT_PRECISION)
 
     if USE_INITIAL_STATE:
         p_dh0 = dh0 + state_base + o_v[None, :]
@@ -225,7 +241,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
 def chunk_gated_delta_rule_bwd_dhu(
     q: torch.Tensor,
     k: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     g: torch.Tensor | None,
     h0: torch.Tensor | None,
     dht: torch.Tensor | None,
@@ -239,7 +255,8 @@ def chunk_gated_delta_rule_bwd_dhu(
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
     Args:
-        q, k, w: ``[B, T, H, K]`` (w = W of the WY form), fp32/fp16/bf16, K ≤ 256.
+        q, k, w: ``[B, T, H, K]`` (w = W of the WY form; None when Vn = U, as in simple
+            GLA), fp32/fp16/bf16, K ≤ 256.
         g: ``[B, T, H]`` chunk-local cumulative log decay γ (fp32), or None (no decay).
         h0: the forward's ``initial_state`` ``[N, H, K, V]`` or None; only decides whether
             ``dh0`` is computed.
@@ -267,7 +284,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         raise ValueError(f"k: expected head dimension K <= 256, got {K}")
     BT = chunk_size
     scale = K ** -0.5 if scale is None else float(scale)
-    q, k, w, do, dv = (x.contiguous() for x in (q, k, w, do, dv))
+    q, k, do, dv = (x.contiguous() for x in (q, k, do, dv))
+    w = None if w is None else w.contiguous()
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
         chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
@@ -289,7 +307,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     chunk_gated_delta_rule_bwd_dhu_kernel[grid](
         q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None,
+        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
         USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
     )

@@ -146,13 +146,14 @@ def _dqkwg_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
 
 
-@tuned(key=["k", "K", "V", "BT", "BK", "USE_G"], default=_dqkwg_default, space=_dqkwg_space)
+@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W"], default=_dqkwg_default,
+       space=_dqkwg_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
     q, k, v_new, w, g, h, dv2, do, dh, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (K tile, chunk, batch·head); the V dimension is looped over.
 
@@ -190,7 +191,6 @@ def chunk_bwd_dqkwg_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         b_vn = tl.load(v_new + v_off, mask=m_tv, other=0.).to(dt)
         b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
-        b_dv = tl.load(dv2 + v_off, mask=m_tv, other=0.).to(dt)
         h_off = h_base + o_k[:, None] * V + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h + h_off, mask=m_kv, other=0.).to(dt)
@@ -200,12 +200,15 @@ def chunk_bwd_dqkwg_kernel(
         b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
         b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
-        b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PRECISION)
+        if USE_W:
+            b_dv = tl.load(dv2 + v_off, mask=m_tv, other=0.).to(dt)
+            b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PRECISION)
 
     k_off = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
-    # Vn = U − W S: dW = −dVn Sᵀ.
-    tl.store(dw + k_off, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+    if USE_W:
+        # Vn = U − W S: dW = −dVn Sᵀ.
+        tl.store(dw + k_off, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
 
     b_q = tl.load(q + k_off, mask=m_tk, other=0.)
     b_k = tl.load(k + k_off, mask=m_tk, other=0.)
@@ -241,7 +244,7 @@ def chunk_bwd_dqkwg(
     q: torch.Tensor,
     k: torch.Tensor,
     v_new: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     g: torch.Tensor | None,
     h: torch.Tensor,
     dv2: torch.Tensor,
@@ -265,7 +268,8 @@ def chunk_bwd_dqkwg(
         dγ_t = q_t·dq_t − k_t·dk_t + [t = last] (e^{γ_L}⟨S, dS'⟩ + Σ_s k_s·(dS' Vn_s) e^{γ_L−γ_s})
 
     Args:
-        q, k, w: ``[B, T, H, K]``; v_new, dv2, do: ``[B, T, H, V]`` (Vn, dVn, dO).
+        q, k, w: ``[B, T, H, K]``; v_new, dv2, do: ``[B, T, H, V]`` (Vn, dVn, dO). w is
+            None when Vn does not depend on the state (simple GLA: Vn = V); dw is then None.
         g: ``[B, T, H]`` chunk-local cumulative log decay γ (fp32), or None.
         h, dh: ``[B, NT, H, K, V]`` states entering each chunk (forward) and gradients of the
             states leaving each chunk (``chunk_gated_delta_rule_bwd_dhu``).
@@ -283,7 +287,8 @@ def chunk_bwd_dqkwg(
     V = do.shape[-1]
     BT = chunk_size
     scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v_new, w, h, dv2, do, dh = (x.contiguous() for x in (q, k, v_new, w, h, dv2, do, dh))
+    q, k, v_new, h, dv2, do, dh = (x.contiguous() for x in (q, k, v_new, h, dv2, do, dh))
+    w = None if w is None else w.contiguous()
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
         chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
@@ -295,12 +300,12 @@ def chunk_bwd_dqkwg(
     NK = triton.cdiv(K, BK)
     dq = torch.empty_like(k)
     dk = torch.empty_like(k)
-    dw = torch.empty_like(w)
+    dw = None if w is None else torch.empty_like(w)
     dg = torch.empty(NK, B, T, H, dtype=torch.float32, device=k.device) if g is not None else None
     chunk_bwd_dqkwg_kernel[(NK, NT, B * H)](
         q=q, k=k, v_new=v_new, w=w, g=g, h=h, dv2=dv2, do=do, dh=dh, dq=dq, dk=dk, dw=dw,
         dg=dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
-        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None,
+        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
     )
     if dg is not None:

@@ -125,9 +125,9 @@ def _fwd_h(k, w, u, g, h0, BT: int):
     states, values = [], []
     for start in range(0, T, BT):
         end = min(start + BT, T)
-        kc, wc, uc = (x[:, start:end].to(acc) for x in (k, w, u))
+        kc, uc = k[:, start:end].to(acc), u[:, start:end].to(acc)
         states.append(S)
-        vn = uc - torch.einsum("bthk,bhkv->bthv", wc, S)
+        vn = uc if w is None else uc - torch.einsum("bthk,bhkv->bthv", w[:, start:end].to(acc), S)
         values.append(vn)
         if g is not None:
             gc = g[:, start:end].to(acc)                            # [B, C, H]
@@ -141,7 +141,7 @@ def _fwd_h(k, w, u, g, h0, BT: int):
 def chunk_gated_delta_rule_fwd_h_torch(k, w, u, g=None, initial_state=None,
                                        output_final_state=False, offsets=None,
                                        chunk_size=64, save_new_value=True):
-    """The state pass (time-major inputs): returns ``(h [B, NT, H, K, V] in k's dtype,
+    """The state pass (time-major inputs; ``w=None``: Vn = U): returns ``(h [B, NT, H, K, V] in k's dtype,
     v_new [B, T, H, V] in u's dtype or None, final_state [N, H, K, V] float32 or None)``;
     under varlen h is ``[1, NT_total, H, K, V]``."""
     if offsets is None:
@@ -150,7 +150,8 @@ def chunk_gated_delta_rule_fwd_h_torch(k, w, u, g=None, initial_state=None,
         hs, vs, Ss = [], [], []
         for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
             h0 = None if initial_state is None else initial_state[n:n + 1]
-            h_n, v_n, S_n = _fwd_h(k[:, bos:eos], w[:, bos:eos], u[:, bos:eos],
+            h_n, v_n, S_n = _fwd_h(k[:, bos:eos], None if w is None else w[:, bos:eos],
+                                   u[:, bos:eos],
                                    None if g is None else g[:, bos:eos], h0, chunk_size)
             hs.append(h_n), vs.append(v_n), Ss.append(S_n)
         h, v_new, S = torch.cat(hs, 1), torch.cat(vs, 1), torch.cat(Ss, 0)

@@ -21,8 +21,8 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
 from fla.ops.common import chunk_torch
-from fla.ops.gated_delta_rule.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
-from fla.ops.gated_delta_rule.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd

@@ -136,7 +136,7 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE_U: tl.constexpr, IS_VARLEN: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, DELTA: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -180,7 +180,10 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         if USE_G:
             b_s = b_s * tl.exp(tl.load(p_g).to(tl.float32))
-        b_u = b_v - tl.reduce(b_s * b_k[:, None], 0, _sum_combine)
+        if DELTA:
+            b_u = b_v - tl.reduce(b_s * b_k[:, None], 0, _sum_combine)
+        else:
+            b_u = b_v
         if SAVE_U:
             tl.store(p_u, b_u, mask=m_v)
         if USE_BETA:
@@ -213,7 +216,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, USE_H0: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, DELTA: tl.constexpr,
 ):
     # Partial sums over V tiles (dq, dk, dbeta, dg) are laid out [tokens, HV, NV, ...].
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -256,7 +259,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
             b_k = b_k * tl.rsqrt(tl.reduce(b_k * b_k, 0, _sum_combine) + 1e-6)
-        b_u = tl.load(p_u, mask=m_v, other=0.0)
+        b_u = tl.load(p_u, mask=m_v, other=0.0).to(tl.float32)
         b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
         b_d += b_q[:, None] * b_do[None, :]
         b_dw = tl.reduce(b_d * b_k[:, None], 0, _sum_combine)
@@ -271,7 +274,8 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         tl.store(p_dk, tl.reduce(b_d * b_w[None, :], 1, _sum_combine), mask=m_k)
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_v)
         tl.store(p_dw, b_dw, mask=m_v)
-        b_d -= b_k[:, None] * b_dv[None, :]
+        if DELTA:
+            b_d -= b_k[:, None] * b_dv[None, :]
         if USE_G:
             b_d = b_d * tl.exp(tl.load(p_g).to(tl.float32))
 
@@ -316,7 +320,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
             b_k = b_k * tl.rsqrt(tl.reduce(b_k * b_k, 0, _sum_combine) + 1e-6)
-        b_u = tl.load(p_u, mask=m_v, other=0.0)
+        b_u = tl.load(p_u, mask=m_v, other=0.0).to(tl.float32)
         b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
         b_dw = tl.load(p_dw, mask=m_v, other=0.0)
         if USE_G:
@@ -325,8 +329,10 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
             b_beta = tl.load(p_beta).to(tl.float32)
             b_dw = b_dw * b_beta  # = dv, in float32
             b_u = b_u * b_beta    # = w
-        b_dk = tl.load(p_dk, mask=m_k, other=0.0)
-        tl.store(p_dk, b_dk - tl.reduce(b_s * b_dw[None, :], 1, _sum_combine), mask=m_k)
+        if DELTA:
+            # u_t = v_t − a_t S_{t-1}ᵀ k_t also depends on k_t.
+            b_dk = tl.load(p_dk, mask=m_k, other=0.0)
+            tl.store(p_dk, b_dk - tl.reduce(b_s * b_dw[None, :], 1, _sum_combine), mask=m_k)
         b_s += b_k[:, None] * b_u[None, :]
         b_dq = tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale
         tl.store(p_dq, b_dq, mask=m_k)
@@ -359,13 +365,16 @@ def fused_recurrent_gated_delta_rule_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
     beta: torch.Tensor | None, scale: float, initial_state: torch.Tensor | None,
     output_final_state: bool, cu_seqlens: torch.Tensor | None = None, N: int | None = None,
-    use_qk_l2norm: bool = False, save_u: bool = False,
+    use_qk_l2norm: bool = False, save_u: bool = False, delta: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel on validated, contiguous, time-major inputs.
 
     Returns ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None,
     u [B, T, HV, V] float32 or None)``; u (``v − a_t S_{t-1}ᵀ k``) only with ``save_u``.
+    ``delta=False`` runs simple GLA's recurrence ``S_t = e^{g_t} S_{t-1} + β_t k_t ⊗ v_t``
+    (u = v: nothing to save).
     """
+    save_u = save_u and delta
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if N is None:
@@ -379,7 +388,7 @@ def fused_recurrent_gated_delta_rule_fwd(
         H=H, HV=HV, K=K, V=V, BK=_block_k(K),
         USE_G=g is not None, USE_BETA=beta is not None, USE_H0=initial_state is not None,
         STORE_HT=output_final_state, SAVE_U=save_u, IS_VARLEN=cu_seqlens is not None,
-        L2NORM=use_qk_l2norm,
+        L2NORM=use_qk_l2norm, DELTA=delta,
     )
     return o, ht, u
 
@@ -408,14 +417,17 @@ def _l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 def fused_recurrent_gated_delta_rule_bwd(
     q, k, v, g, beta, u, scale, initial_state, do, dht, ht, cu_seqlens=None, N=None,
-    use_qk_l2norm=False, need_dh0=True,
+    use_qk_l2norm=False, need_dh0=True, delta=True,
 ):
     """Gradients of the fused recurrence: ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     q, k, v, g, beta and initial_state (None where the input is None).
 
-    ``u`` is the forward's saved ``v − a_t S_{t-1}ᵀ k``; ``ht`` the final state (needed
-    with ``dht`` for dg). Shapes as :func:`fused_recurrent_gated_delta_rule_fwd`.
+    ``u`` is the forward's saved ``v − a_t S_{t-1}ᵀ k`` (ignored with ``delta=False``,
+    where it is v); ``ht`` the final state (needed with ``dht`` for dg). Shapes as
+    :func:`fused_recurrent_gated_delta_rule_fwd`.
     """
+    if not delta:
+        u = v
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if N is None:
@@ -438,7 +450,7 @@ def fused_recurrent_gated_delta_rule_bwd(
         cu_seqlens, scale, T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_G=g is not None, USE_BETA=beta is not None, USE_H0=initial_state is not None,
         USE_DHT=dht is not None, STORE_DH0=store_dh0, IS_VARLEN=cu_seqlens is not None,
-        L2NORM=use_qk_l2norm,
+        L2NORM=use_qk_l2norm, DELTA=delta,
     )
 
     dq, dk = dq.sum(3), dk.sum(3)
@@ -469,12 +481,12 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                N, use_qk_l2norm):
+                N, use_qk_l2norm, delta=True):
         o, ht, u = fused_recurrent_gated_delta_rule_fwd(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, N,
-            use_qk_l2norm, save_u=True)
+            use_qk_l2norm, save_u=True, delta=delta)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, u, ht, cu_seqlens)
-        ctx.scale, ctx.N, ctx.use_qk_l2norm = scale, N, use_qk_l2norm
+        ctx.scale, ctx.N, ctx.use_qk_l2norm, ctx.delta = scale, N, use_qk_l2norm, delta
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -486,8 +498,8 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = fused_recurrent_gated_delta_rule_bwd(
             q, k, v, g, beta, u, ctx.scale, initial_state, do.contiguous(),
             None if dht is None else dht.contiguous(), ht, cu_seqlens, ctx.N,
-            ctx.use_qk_l2norm, need_dh0=ctx.needs_input_grad[5])
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+            ctx.use_qk_l2norm, need_dh0=ctx.needs_input_grad[5], delta=ctx.delta)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
 def fused_recurrent_gated_delta_rule(

@@ -15,7 +15,8 @@ def naive_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
         o_t = scale · S_tᵀ q_t
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        q, k: ``[B, T, Hqk, K]``; v: ``[B, T, H, V]`` (H a multiple of Hqk: grouped value
+            heads).
         g: ``[B, T, H]`` per-token natural-log decay (None: 0).
         g_gamma: ``[H]`` per-head constant log decay γ (None: 0); given with ``g``, they add.
         scale: defaults to ``K ** -0.5``.
@@ -26,7 +27,10 @@ def naive_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
         unless ``output_final_state``), both float64.
     """
     q, k, v, g, g_gamma = (as_float64(x) for x in (q, k, v, g, g_gamma))
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    H, K, V = v.shape[2], q.shape[3], v.shape[3]
+    if H != q.shape[2]:  # grouped value heads: value head j reads q/k head j // (H / Hqk)
+        q = q.repeat_interleave(H // q.shape[2], dim=2)
+        k = k.repeat_interleave(H // k.shape[2], dim=2)
     scale = check_scale(scale, K ** -0.5)
 
     def recurrence(inputs, S):

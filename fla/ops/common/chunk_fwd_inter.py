@@ -1,5 +1,6 @@
-"""The inter-chunk half of the fused gated-delta-rule forward: the state pass, with the
-output computed on the way (ALGORITHMS.md §1, chunked form).
+"""The inter-chunk half of the fused chunked forward: the state pass, with the output
+computed on the way (gated delta rule, ALGORITHMS.md §1, chunked form; with
+``delta=False`` simple GLA, §2, where Vn = V and Ai, β are not used).
 
 For each chunk in order, with S the state entering it, γ the chunk-local cumulative
 decay (γ_C at the chunk's last valid token) and ``Ai``, ``Aqk`` from
@@ -64,26 +65,27 @@ def _space(args) -> list[Config]:
 
 
 @triton.jit
-def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, WITH_Q: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """K S (and Q S) accumulated over one 64-row tile of the state (16-bit operands)."""
+def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, WITH_K: tl.constexpr,
+                     WITH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """K S and/or Q S accumulated over one 64-row tile of the state (16-bit operands)."""
     b_hc = b_h.to(k.dtype.element_ty)
-    b_ks = tl.dot(tl.load(k + p_qk, mask=m_tk, other=0.), b_hc, b_ks,
-                  input_precision=DOT_PRECISION)
+    if WITH_K:
+        b_ks = tl.dot(tl.load(k + p_qk, mask=m_tk, other=0.), b_hc, b_ks,
+                      input_precision=DOT_PRECISION)
     if WITH_Q:
         b_qs = tl.dot(tl.load(q + p_qk, mask=m_tk, other=0.), b_hc, b_qs,
                       input_precision=DOT_PRECISION)
     return b_ks, b_qs
 
 
-@tuned(key=["K", "V", "k", "h0", "TRANSITION"], default=_default, space=_space)
+@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
     q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DELTA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -165,39 +167,42 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
         b_qs = tl.zeros([BT, BV], dtype=tl.float32)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_ks, b_qs = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, not TRANSITION,
-                                      DOT_PRECISION)
+        b_ks, b_qs = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, DELTA,
+                                      not TRANSITION, DOT_PRECISION)
         if K > BK:
             m_tk = m_t[:, None] & (BK + o_k < K)[None, :]
             b_ks, b_qs = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs,
-                                          not TRANSITION, DOT_PRECISION)
+                                          DELTA, not TRANSITION, DOT_PRECISION)
         if K > 2 * BK:
             m_tk = m_t[:, None] & (2 * BK + o_k < K)[None, :]
             b_ks, b_qs = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks, b_qs,
-                                          not TRANSITION, DOT_PRECISION)
+                                          DELTA, not TRANSITION, DOT_PRECISION)
         if K > 3 * BK:
             m_tk = m_t[:, None] & (3 * BK + o_k < K)[None, :]
             b_ks, b_qs = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks, b_qs,
-                                          not TRANSITION, DOT_PRECISION)
+                                          DELTA, not TRANSITION, DOT_PRECISION)
 
-        b_beta = tl.load(beta + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
+        b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        p_tt = (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
+        m_tt = m_t[:, None] & m_t[None, :]
         if USE_G:
             # γ is chunk-local and ≤ 0 for decays: exp(γ) ≤ 1 needs no difference trick.
             b_g = tl.load(g_cum + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             b_eg = tl.exp(b_g)
-            b_ks *= b_eg[:, None]
             if not TRANSITION:
                 b_qs *= b_eg[:, None]
-
-        # Vn = Ai · β(V − e^γ K S): the residual is formed in fp32 before the one cast, so
-        # the cancellation between V and the state's prediction loses nothing.
-        p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_r = ((b_v - b_ks) * b_beta[:, None]).to(k.dtype.element_ty)
-        p_tt = (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
-        m_tt = m_t[:, None] & m_t[None, :]
-        b_vn = tl.dot(tl.load(Ai + p_tt, mask=m_tt, other=0.), b_r,
-                      input_precision=DOT_PRECISION)
+        if DELTA:
+            # Vn = Ai · β(V − e^γ K S): the residual is formed in fp32 before the one cast,
+            # so the cancellation between V and the state's prediction loses nothing.
+            b_beta = tl.load(beta + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+            if USE_G:
+                b_ks *= b_eg[:, None]
+            b_r = ((b_v - b_ks) * b_beta[:, None]).to(k.dtype.element_ty)
+            b_vn = tl.dot(tl.load(Ai + p_tt, mask=m_tt, other=0.), b_r,
+                          input_precision=DOT_PRECISION)
+        else:
+            b_vn = b_v
 
         if not TRANSITION:
             b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
@@ -370,8 +375,8 @@ def chunk_gated_delta_rule_fwd_inter(
     k: torch.Tensor,
     v: torch.Tensor,
     g_cum: torch.Tensor | None,
-    beta: torch.Tensor,
-    Ai: torch.Tensor,
+    beta: torch.Tensor | None,
+    Ai: torch.Tensor | None,
     Aqk: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None = None,
@@ -387,7 +392,8 @@ def chunk_gated_delta_rule_fwd_inter(
         q, k: ``[B, T, H, K]``, K ≤ 256; v: ``[B, T, H, V]``, V ≤ 256 (one dtype).
         g_cum: ``[B, T, H]`` float32 chunk-local cumulative decay γ, or None.
         beta: ``[B, T, H]``.
-        Ai, Aqk: ``[B, T, H, 64]`` from :func:`chunk_gated_delta_rule_fwd_intra`.
+        Ai, Aqk: ``[B, T, H, 64]`` from :func:`chunk_gated_delta_rule_fwd_intra` (Ai and
+            beta None when ``Ai`` is: the simple GLA pass, Vn = V).
         scale: the output scale.
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the state after each sequence.
@@ -412,6 +418,7 @@ def chunk_gated_delta_rule_fwd_inter(
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
                   BK=tile_width(K, 64), USE_G=g_cum is not None, IS_VARLEN=varlen,
+                  DELTA=Ai is not None,
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:

@@ -1,5 +1,6 @@
-"""The intra-chunk half of the fused gated-delta-rule forward: everything one chunk of
-64 tokens can compute without the state (ALGORITHMS.md §1, chunked form).
+"""The intra-chunk half of the fused chunked forward: everything one chunk of 64 tokens
+can compute without the state (gated delta rule, ALGORITHMS.md §1; with ``delta=False``
+only γ and Aqk, for simple GLA, §2).
 
 Per chunk and head, in one program, with g the per-token log decay and β the write
 strength:
@@ -46,7 +47,9 @@ def _default(args) -> Config:
     # row steps, each a reduction across the block's rows: within one warp those are
     # shuffles, across warps barriers. Measured on H100 (Triton 3.6, bf16, K = 128,
     # B·T·H = 786K): 1 warp 0.47 ms, 2 warps 0.49, 4 warps 0.96, 8 warps 1.54.
-    return Config(BK=tile_width(args["K"], 64), num_warps=1, num_stages=2)
+    # Without the inverse (simple GLA) only the Q Kᵀ strips remain: plain dots, 4 warps.
+    return Config(BK=tile_width(args["K"], 64), num_warps=1 if args["DELTA"] else 4,
+                  num_stages=2)
 
 
 def _space(args) -> list[Config]:
@@ -80,15 +83,16 @@ def _gamma_block(g_cum, row0, first, L, H, i_h):
     return tl.load(g_cum + (row0 + o_i) * H + i_h, mask=o_i < L, other=0.)
 
 
-@tuned(key=["K", "k"], default=_default, space=_space)
+@tuned(key=["K", "k", "DELTA"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_intra_kernel(
     q, k, g, beta, g_cum, Ai, Aqk, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DELTA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (chunk, batch·head). ``q, k [B, T, H, K]``; ``g, beta, g_cum
-    [B, T, H]``; ``Ai, Aqk [B, T, H, 64]`` (row t: token t's row of its chunk's matrix)."""
+    [B, T, H]``; ``Ai, Aqk [B, T, H, 64]`` (row t: token t's row of its chunk's matrix).
+    Without ``DELTA`` (simple GLA) only γ and Aqk are computed."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -106,71 +110,72 @@ def chunk_gated_delta_rule_fwd_intra_kernel(
         tl.store(g_cum + (row0 + o_t) * H + i_h, b_g, mask=m_t)
         tl.debug_barrier()
 
-    # K Kᵀ in ten 16 x 16 blocks (i ≥ j).
-    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A21 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A22 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A31 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A32 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A33 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A41 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A42 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A43 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A44 = tl.zeros([16, 16], dtype=tl.float32)
     k_base = k + (row0 * H + i_h) * K
     q_base = q + (row0 * H + i_h) * K
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = (o_k < K)[None, :]
-        p_k = k_base + o_c[:, None] * (H * K) + o_k[None, :]
-        b_k1 = tl.load(p_k, mask=(o_c < L)[:, None] & m_k, other=0.)
-        b_k2 = tl.load(p_k + 16 * H * K, mask=(16 + o_c < L)[:, None] & m_k, other=0.)
-        b_k3 = tl.load(p_k + 32 * H * K, mask=(32 + o_c < L)[:, None] & m_k, other=0.)
-        b_k4 = tl.load(p_k + 48 * H * K, mask=(48 + o_c < L)[:, None] & m_k, other=0.)
-        b_A11 = tl.dot(b_k1, tl.trans(b_k1), b_A11, input_precision=DOT_PRECISION)
-        b_A21 = tl.dot(b_k2, tl.trans(b_k1), b_A21, input_precision=DOT_PRECISION)
-        b_A22 = tl.dot(b_k2, tl.trans(b_k2), b_A22, input_precision=DOT_PRECISION)
-        b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31, input_precision=DOT_PRECISION)
-        b_A32 = tl.dot(b_k3, tl.trans(b_k2), b_A32, input_precision=DOT_PRECISION)
-        b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33, input_precision=DOT_PRECISION)
-        b_A41 = tl.dot(b_k4, tl.trans(b_k1), b_A41, input_precision=DOT_PRECISION)
-        b_A42 = tl.dot(b_k4, tl.trans(b_k2), b_A42, input_precision=DOT_PRECISION)
-        b_A43 = tl.dot(b_k4, tl.trans(b_k3), b_A43, input_precision=DOT_PRECISION)
-        b_A44 = tl.dot(b_k4, tl.trans(b_k4), b_A44, input_precision=DOT_PRECISION)
+    stride = H * BT  # between rows of Ai and Aqk
+    if DELTA:
+        # K Kᵀ in ten 16 x 16 blocks (i ≥ j).
+        b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A21 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A22 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A31 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A32 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A33 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A41 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A42 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A43 = tl.zeros([16, 16], dtype=tl.float32)
+        b_A44 = tl.zeros([16, 16], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = (o_k < K)[None, :]
+            p_k = k_base + o_c[:, None] * (H * K) + o_k[None, :]
+            b_k1 = tl.load(p_k, mask=(o_c < L)[:, None] & m_k, other=0.)
+            b_k2 = tl.load(p_k + 16 * H * K, mask=(16 + o_c < L)[:, None] & m_k, other=0.)
+            b_k3 = tl.load(p_k + 32 * H * K, mask=(32 + o_c < L)[:, None] & m_k, other=0.)
+            b_k4 = tl.load(p_k + 48 * H * K, mask=(48 + o_c < L)[:, None] & m_k, other=0.)
+            b_A11 = tl.dot(b_k1, tl.trans(b_k1), b_A11, input_precision=DOT_PRECISION)
+            b_A21 = tl.dot(b_k2, tl.trans(b_k1), b_A21, input_precision=DOT_PRECISION)
+            b_A22 = tl.dot(b_k2, tl.trans(b_k2), b_A22, input_precision=DOT_PRECISION)
+            b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31, input_precision=DOT_PRECISION)
+            b_A32 = tl.dot(b_k3, tl.trans(b_k2), b_A32, input_precision=DOT_PRECISION)
+            b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33, input_precision=DOT_PRECISION)
+            b_A41 = tl.dot(b_k4, tl.trans(b_k1), b_A41, input_precision=DOT_PRECISION)
+            b_A42 = tl.dot(b_k4, tl.trans(b_k2), b_A42, input_precision=DOT_PRECISION)
+            b_A43 = tl.dot(b_k4, tl.trans(b_k3), b_A43, input_precision=DOT_PRECISION)
+            b_A44 = tl.dot(b_k4, tl.trans(b_k4), b_A44, input_precision=DOT_PRECISION)
 
-    b_b1 = _beta_block(beta, row0, 0, L, H, i_h)
-    b_b2 = _beta_block(beta, row0, 16, L, H, i_h)
-    b_b3 = _beta_block(beta, row0, 32, L, H, i_h)
-    b_b4 = _beta_block(beta, row0, 48, L, H, i_h)
-    if USE_G:
-        b_g1 = _gamma_block(g_cum, row0, 0, L, H, i_h)
-        b_g2 = _gamma_block(g_cum, row0, 16, L, H, i_h)
-        b_g3 = _gamma_block(g_cum, row0, 32, L, H, i_h)
-        b_g4 = _gamma_block(g_cum, row0, 48, L, H, i_h)
-    else:
-        b_g1 = tl.zeros([16], dtype=tl.float32)
-        b_g2 = b_g1
-        b_g3 = b_g1
-        b_g4 = b_g1
-    b_A11 = _gate_block(b_A11, b_g1, b_g1, b_b1, True)
-    b_A21 = _gate_block(b_A21, b_g2, b_g1, b_b2, False)
-    b_A22 = _gate_block(b_A22, b_g2, b_g2, b_b2, True)
-    b_A31 = _gate_block(b_A31, b_g3, b_g1, b_b3, False)
-    b_A32 = _gate_block(b_A32, b_g3, b_g2, b_b3, False)
-    b_A33 = _gate_block(b_A33, b_g3, b_g3, b_b3, True)
-    b_A41 = _gate_block(b_A41, b_g4, b_g1, b_b4, False)
-    b_A42 = _gate_block(b_A42, b_g4, b_g2, b_b4, False)
-    b_A43 = _gate_block(b_A43, b_g4, b_g3, b_b4, False)
-    b_A44 = _gate_block(b_A44, b_g4, b_g4, b_b4, True)
+        b_b1 = _beta_block(beta, row0, 0, L, H, i_h)
+        b_b2 = _beta_block(beta, row0, 16, L, H, i_h)
+        b_b3 = _beta_block(beta, row0, 32, L, H, i_h)
+        b_b4 = _beta_block(beta, row0, 48, L, H, i_h)
+        if USE_G:
+            b_g1 = _gamma_block(g_cum, row0, 0, L, H, i_h)
+            b_g2 = _gamma_block(g_cum, row0, 16, L, H, i_h)
+            b_g3 = _gamma_block(g_cum, row0, 32, L, H, i_h)
+            b_g4 = _gamma_block(g_cum, row0, 48, L, H, i_h)
+        else:
+            b_g1 = tl.zeros([16], dtype=tl.float32)
+            b_g2 = b_g1
+            b_g3 = b_g1
+            b_g4 = b_g1
+        b_A11 = _gate_block(b_A11, b_g1, b_g1, b_b1, True)
+        b_A21 = _gate_block(b_A21, b_g2, b_g1, b_b2, False)
+        b_A22 = _gate_block(b_A22, b_g2, b_g2, b_b2, True)
+        b_A31 = _gate_block(b_A31, b_g3, b_g1, b_b3, False)
+        b_A32 = _gate_block(b_A32, b_g3, b_g2, b_b3, False)
+        b_A33 = _gate_block(b_A33, b_g3, b_g3, b_b3, True)
+        b_A41 = _gate_block(b_A41, b_g4, b_g1, b_b4, False)
+        b_A42 = _gate_block(b_A42, b_g4, b_g2, b_b4, False)
+        b_A43 = _gate_block(b_A43, b_g4, b_g3, b_b4, False)
+        b_A44 = _gate_block(b_A44, b_g4, b_g4, b_b4, True)
 
-    # The four diagonal blocks are inverted together: 14 substitution steps, not 56.
-    b_D1, b_D2, b_D3, b_D4 = unstack_blocks_4(unit_lower_inverse_blocks(
-        stack_blocks_4(b_A11, b_A22, b_A33, b_A44)))
-    b_X21, b_X31, b_X32, b_X41, b_X42, b_X43 = merge_block_inverse_64(
-        b_D1, b_D2, b_D3, b_D4, b_A21, b_A31, b_A32, b_A41, b_A42, b_A43, DOT_PRECISION)
-    stride = H * BT
-    store_block_inverse_64(Ai + (row0 * H + i_h) * BT, stride, L, b_D1, b_D2, b_D3, b_D4,
-                           b_X21, b_X31, b_X32, b_X41, b_X42, b_X43)
+        # The four diagonal blocks are inverted together: 14 substitution steps, not 56.
+        b_D1, b_D2, b_D3, b_D4 = unstack_blocks_4(unit_lower_inverse_blocks(
+            stack_blocks_4(b_A11, b_A22, b_A33, b_A44)))
+        b_X21, b_X31, b_X32, b_X41, b_X42, b_X43 = merge_block_inverse_64(
+            b_D1, b_D2, b_D3, b_D4, b_A21, b_A31, b_A32, b_A41, b_A42, b_A43, DOT_PRECISION)
+        store_block_inverse_64(Ai + (row0 * H + i_h) * BT, stride, L, b_D1, b_D2, b_D3, b_D4,
+                               b_X21, b_X31, b_X32, b_X41, b_X42, b_X43)
 
     # Q Kᵀ, gated and causal, in 16-row strips once the K Kᵀ blocks are dead: a 64 x 64
     # fp32 accumulator next to them cost a one-warp program all 255 registers and
@@ -203,7 +208,8 @@ def chunk_gated_delta_rule_fwd_intra(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    delta: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The per-chunk quantities of the fused forward, one program per chunk and head.
 
     Inputs are validated, time-major and contiguous (the op's entry point did that).
@@ -211,10 +217,11 @@ def chunk_gated_delta_rule_fwd_intra(
     Args:
         q, k: ``[B, T, H, K]`` fp32/fp16/bf16, K ≤ 256.
         g: ``[B, T, H]`` per-token natural-log decay (not cumulated), or None.
-        beta: ``[B, T, H]``.
+        beta: ``[B, T, H]`` (unused without ``delta``).
         cu_seqlens: ``[N + 1]`` packed-sequence offsets on k's device (B == 1).
         chunk_indices: ``prepare_chunk_indices(cu_seqlens, 64)`` when ``cu_seqlens`` is
             given.
+        delta: False for simple GLA: no (I + A)⁻¹, Ai is None.
 
     Returns:
         ``(g_cum, Ai, Aqk)``: ``g_cum [B, T, H]`` float32 chunk-local cumulative decay
@@ -226,11 +233,11 @@ def chunk_gated_delta_rule_fwd_intra(
     B, T, H, K = k.shape
     NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     g_cum = None if g is None else torch.empty(B, T, H, dtype=torch.float32, device=k.device)
-    Ai = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    Ai = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device) if delta else None
     Aqk = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     chunk_gated_delta_rule_fwd_intra_kernel[(NT, B * H)](
         q=q, k=k, g=g, beta=beta, g_cum=g_cum, Ai=Ai, Aqk=Aqk, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, K=K, USE_G=g is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+        IS_VARLEN=cu_seqlens is not None, DELTA=delta, DOT_PRECISION=dot_precision(k.dtype),
     )
     return g_cum, Ai, Aqk

@@ -1,0 +1,142 @@
+"""Chunked simple GLA (training and prefill): the shared chunk stages chained with autograd.
+
+Simple GLA is the gated delta rule without the delta: Vn = V, no (I + A)⁻¹ (ALGORITHMS.md
+§2). Its forward runs the two fused kernels of ``fla.ops.common`` with ``delta=False``:
+
+    γ, Aqk = Q Kᵀ ⊙ Γ (causal)                            chunk_fwd_intra  (parallel)
+    O = scale(e^γ Q S + Aqk V), S' = e^{γ_C} S + K̃ᵀ V       chunk_fwd_inter  (sequential)
+
+and its backward the staged gradient of the gated delta rule with W = 0: the states h
+are recomputed (``chunk_delta_h`` without W), then dV local (``chunk_bwd_dv_local``), the
+reverse state pass (``chunk_delta_h_bwd`` without W) and dQ, dK, dγ
+(``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
+"""
+from __future__ import annotations
+
+import torch
+
+from fla.ops.common import chunk_torch
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs
+from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
+from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.index import prepare_chunk_indices
+from fla.utils.backend import Backend, select_backend
+
+__all__ = ["chunk_simple_gla"]
+
+CHUNK_SIZE = 64
+
+
+class ChunkSimpleGLAFunction(torch.autograd.Function):
+    """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens,
+                chunk_indices, offsets):
+        g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
+            q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
+        o, final_state = chunk_gated_delta_rule_fwd_inter(
+            q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
+            cu_seqlens=cu_seqlens, offsets=offsets)
+        ctx.save_for_backward(q, k, v, g_cum, initial_state, cu_seqlens, chunk_indices)
+        ctx.scale = scale
+        ctx.g_dtype = None if g is None else g.dtype
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g_cum, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+        scale = ctx.scale
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
+                                               chunk_size=CHUNK_SIZE, save_new_value=False,
+                                               **varlen)
+        dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
+        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
+                                                     dv, scale, chunk_size=CHUNK_SIZE, **varlen)
+        dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
+                                        chunk_size=CHUNK_SIZE, **varlen)
+        if dg is not None:
+            # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
+            dg = chunk_local_cumsum(dg, CHUNK_SIZE, reverse=True, output_dtype=ctx.g_dtype,
+                                    **varlen)
+        return (dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype),
+                None, None, None, None, None)
+
+
+def _chunk_torch(x: GatedDeltaInputs, output_final_state: bool):
+    """The PyTorch path: the same chunk equations in tensor algebra, autograd through them."""
+    offsets = x.seq_offsets
+    g_cum = None if x.g is None else chunk_local_cumsum(x.g, CHUNK_SIZE, cu_seqlens=x.cu_seqlens)
+    h, _, final_state = chunk_torch.chunk_gated_delta_rule_fwd_h_torch(
+        x.k, None, x.v, g_cum, x.initial_state, output_final_state, offsets, CHUNK_SIZE,
+        save_new_value=False)
+    o = chunk_torch.chunk_fwd_o_torch(x.q, x.k, x.v, h, g_cum, x.scale, offsets, CHUNK_SIZE)
+    return o, final_state
+
+
+def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
+    """Run validated inputs (``g`` already the total log decay) through the chunked
+    algorithm; returns time-major ``(o, final_state)``."""
+    q, k = x.q, x.k
+    if x.HV != x.H:
+        # Grouped value heads: each q/k head serves HV // H value heads (autograd sums).
+        q = q.repeat_interleave(x.HV // x.H, dim=2)
+        k = k.repeat_interleave(x.HV // x.H, dim=2)
+    x = GatedDeltaInputs(**{**x.__dict__, "q": q, "k": k})
+    if select_backend(x.q, x.v) is Backend.TORCH:
+        return _chunk_torch(x, output_final_state)
+    chunk_indices = (None if x.cu_seqlens is None else
+                     prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
+    return ChunkSimpleGLAFunction.apply(q, k, x.v, x.g, x.initial_state, x.scale,
+                                        output_final_state, x.cu_seqlens, chunk_indices,
+                                        x.seq_offsets)
+
+
+def chunk_simple_gla(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None, scale: float | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, head_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Simple GLA (scalar-gate linear attention) over whole sequences, chunk by chunk.
+
+    For every sequence n and head h, from ``S_0 = initial_state[n, h]`` (zeros if None)::
+
+        S_t = exp(g_t + g_gamma[h]) · S_{t-1} + k_t ⊗ v_t
+        o_t = scale · S_tᵀ q_t
+
+    Args:
+        q, k: ``[B, T, H, K]`` (``[B, H, T, K]`` with ``head_first=True``), K ≤ 256.
+        v: ``[B, T, HV, V]``, V ≤ 256, HV a multiple of H (grouped value heads).
+        g: ``[B, T, HV]`` natural-log decay per token (≤ 0; fp32 recommended), or None.
+        g_gamma: ``[HV]`` per-head constant log decay (RetNet's), or None; with ``g``
+            they add.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (float32 recommended); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        head_first: inputs and output are ``[B, H, T, ...]``.
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, HV, V]`` in v's dtype; ``final_state
+        [N, HV, K, V]`` float32, or None unless ``output_final_state``. Differentiable in
+        q, k, v, g, g_gamma and initial_state.
+
+    CUDA tensors run the Triton kernels; CPU tensors run the same chunked algorithm in
+    PyTorch (or the kernels themselves under ``TRITON_INTERPRET=1``).
+    """
+    x = prepare_simple_gla_inputs(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens,
+                                  head_first)
+    o, final_state = chunk_simple_gla_on_inputs(x, output_final_state)
+    if head_first:
+        o = o.transpose(1, 2)
+    return o, final_state

@@ -1,0 +1,261 @@
+"""Simple GLA and retention (chunk and fused recurrent) against the float64 loop: outputs,
+final states and every gradient (q, k, v, g, g_gamma, initial_state), through the Triton
+kernels (interpreted on CPU: fp32, fp16, small shapes; bf16 at real shapes on the GPU)
+and the PyTorch paths."""
+import pytest
+import torch
+
+from fla.ops.retention import (
+    chunk_retention,
+    fused_recurrent_retention,
+    naive_recurrent_retention,
+)
+from fla.ops.simple_gla import (
+    chunk_simple_gla,
+    fused_recurrent_simple_gla,
+    naive_recurrent_simple_gla,
+)
+from fla.utils.tuning import TunedKernel
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    cu_seqlens_of,
+    generator,
+    log_gate,
+    odd_length,
+    randn,
+    uneven_lengths,
+)
+from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, run
+
+OPS = {"chunk": chunk_simple_gla, "fused_recurrent": fused_recurrent_simple_gla}
+
+
+def make_inputs(gen, *, B, T, H, HV, K, V, N=None, gate=True, gamma=False, h0=True,
+                gate_low=-0.5):
+    """float64 leaves: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV]; g_gamma [HV]; h0."""
+    N = B if N is None else N
+    return {
+        "q": randn((B, T, H, K), gen, torch.float64),
+        "k": randn((B, T, H, K), gen, torch.float64, scale=K ** -0.5),
+        "v": randn((B, T, HV, V), gen, torch.float64),
+        "g": log_gate((B, T, HV), gen, low=gate_low, dtype=torch.float64) if gate else None,
+        "g_gamma": log_gate((HV,), gen, low=-0.2, dtype=torch.float64) if gamma else None,
+        "initial_state": randn((N, HV, K, V), gen, torch.float64, scale=0.5) if h0 else None,
+    }
+
+
+def compare(inputs, dtype, device, *, fn, ref_fn=naive_recurrent_simple_gla, gen, tol=None,
+            **kwargs):
+    """fn and the float64 loop on the same rounded inputs: o, final state, all gradients."""
+    B, T, HV, V = inputs["v"].shape
+    K = inputs["q"].shape[-1]
+    cu = kwargs.get("cu_seqlens")
+    N = B if cu is None else cu.numel() - 1
+    do = randn((B, T, HV, V), gen, torch.float64)
+    dht = randn((N, HV, K, V), gen, torch.float64)
+    ref_kwargs = dict(kwargs)
+    if cu is not None:
+        ref_kwargs["cu_seqlens"] = cu.cpu()
+    ref_leaves = {n: None if x is None else
+                  x.to(torch.float32 if n in ("initial_state", "g", "g_gamma") else dtype)
+                  .to(torch.float64).detach().requires_grad_() for n, x in inputs.items()}
+    o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
+    leaves = {}
+    for name, x in inputs.items():
+        # Gates and states in float32 (what layers pass), the rest in the tested dtype.
+        target = torch.float32 if name in ("initial_state", "g", "g_gamma") else dtype
+        leaves[name] = None if x is None else x.to(target).to(device).detach().requires_grad_()
+    o, ht, grads = run(fn, leaves, do, dht, **kwargs)
+    tol = TOLERANCE[dtype] if tol is None else tol
+    assert o.dtype == dtype and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
+    assert_rel_close("o", o, o_ref, tol)
+    assert_rel_close("final_state", ht, ht_ref, tol)
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
+            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+
+
+CASES = {
+    "gate": dict(B=2, H=2, HV=2, K=32, V=16),
+    "gate_and_gamma": dict(B=1, H=1, HV=1, K=16, V=32, gamma=True),
+    "gamma_only_grouped_heads": dict(B=1, H=1, HV=2, K=16, V=16, gate=False, gamma=True),
+    "no_decay_no_h0": dict(B=2, H=1, HV=1, K=16, V=16, gate=False, h0=False),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", list(OPS))
+def test_matches_float64_loop(mode, case, dtype, device, seed):
+    gen = generator(seed)
+    T = odd_length(gen, low=65, high=150)          # more than one chunk, never a multiple
+    compare(make_inputs(gen, T=T, **CASES[case]), dtype, device, fn=OPS[mode], gen=gen)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", list(OPS))
+def test_varlen_uneven_sequences(mode, device, seed):
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=140)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=2, HV=2, K=16, V=16, N=3, gamma=True)
+    compare(inputs, torch.float16, device, fn=OPS[mode], gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, device))
+
+
+@pytest.mark.interpret
+def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
+    """The split state pass (few long sequences on a large GPU), forced at every chunk."""
+    from fla.ops.common import chunk_fwd_inter
+    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda programs, chunks: 1)
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=30, high=200)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=16, V=32, N=2)
+    compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, device))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", list(OPS))
+def test_long_decays_in_fp16_stay_finite_and_exact(mode, device, seed):
+    """Per-step log decays down to −20 (a chunk's γ reaches −1280): no inf/NaN, and the
+    results still match float64 (exponents are only ever formed as differences ≤ 0)."""
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=1, T=odd_length(gen, 65, 140), H=2, HV=2, K=16, V=16,
+                         gate_low=-20.0)
+    compare(inputs, torch.float16, device, fn=OPS[mode], gen=gen)
+
+
+@pytest.mark.interpret
+def test_scale_and_head_first(device, seed):
+    gen = generator(seed)
+
+    def head_first_op(q, k, v, g, g_gamma, initial_state, **kw):
+        o, ht = chunk_simple_gla(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 g.transpose(1, 2), g_gamma, initial_state=initial_state,
+                                 head_first=True, **kw)
+        return o.transpose(1, 2), ht
+
+    compare(make_inputs(gen, B=2, T=70, H=2, HV=2, K=16, V=16, gamma=True), torch.float32,
+            device, fn=head_first_op, gen=gen, scale=0.3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("fn", [chunk_retention, fused_recurrent_retention],
+                         ids=["chunk", "fused_recurrent"])
+def test_retention_wrappers(fn, device, seed):
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=2, T=odd_length(gen, 65, 130), H=3, HV=3, K=16, V=16,
+                         gate=False)
+    inputs.pop("g"), inputs.pop("g_gamma")
+    compare(inputs, torch.float32, device, fn=fn, ref_fn=naive_recurrent_retention, gen=gen)
+
+
+@pytest.mark.interpret
+def test_chunk_equals_fused_recurrent(device, seed):
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=10, high=140)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=32, N=2, gamma=True)
+    cu = cu_seqlens_of(lengths, device)
+    do = torch.randn(inputs["v"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, dtype=torch.float64)
+    results = [run(fn, cast(inputs, torch.float32, device), do, dht, cu_seqlens=cu)
+               for fn in OPS.values()]
+    (o1, h1, g1), (o2, h2, g2) = results
+    assert_rel_close("o", o1, o2, 1e-4)
+    assert_rel_close("final_state", h1, h2, 1e-4)
+    for name in g1:
+        if g1[name] is not None:
+            assert_rel_close(f"d{name}", g1[name], g2[name], 1e-4)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("mode", list(OPS))
+def test_torch_paths_match_float64_loop(mode, dtype, seed, monkeypatch):
+    monkeypatch.setenv("FLA_BACKEND", "torch")
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=140)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=16, N=3, gamma=True)
+    compare(inputs, dtype, "cpu", fn=OPS[mode], gen=gen, cu_seqlens=cu_seqlens_of(lengths))
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("mode", list(OPS))
+def test_bad_inputs_are_refused(mode):
+    fn = OPS[mode]
+    q = torch.randn(1, 10, 2, 16)
+    v = torch.randn(1, 10, 2, 16)
+    g = -torch.rand(1, 10, 2)
+    with pytest.raises(ValueError, match=r"g_gamma: expected one log decay per head, "
+                                         r"shape \[2\].*\[3\]"):
+        fn(q, q, v, g, g_gamma=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"g: expected shape \[B, T, HV\].*\(1, 10, 3\)"):
+        fn(q, q, v, -torch.rand(1, 10, 3))
+    with pytest.raises(ValueError, match=r"looks like a \[B, H, T, \.\.\.\] tensor"):
+        x = torch.randn(1, 4, 300, 16)   # [B, H, T, K] passed time-major
+        fn(x, x, x, -torch.rand(1, 4, 300))
+    with pytest.raises(TypeError, match=r"g_gamma: expected dtype in .*got int64"):
+        fn(q, q, v, g, g_gamma=torch.zeros(2, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("mode", list(OPS))
+def test_bf16_at_real_shapes_matches_float64_loop(mode, D, seed):
+    """bf16 at (2, 1000, 4, D) and a varlen case: every gradient against float64 (the
+    reference library refuses this gated backward on Hopper with Triton 3.4–3.7.0)."""
+    gen = generator(seed)
+    compare(make_inputs(gen, B=2, T=1000, H=4, HV=4, K=D, V=D, gamma=True),
+            torch.bfloat16, "cuda", fn=OPS[mode], gen=gen)
+    lengths = uneven_lengths(4, gen, low=30, high=700)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=4, HV=4, K=D, V=D, N=4)
+    compare(inputs, torch.bfloat16, "cuda", fn=OPS[mode], gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
+    """Each config the tuning layer may pick for a kernel of chunk_simple_gla (forward and
+    backward, the W-less variants of the shared stages) compiles on this Triton/GPU and
+    gives the float64 loop's outputs and gradients."""
+    from fla.ops.common import (
+        chunk_delta_h,
+        chunk_delta_h_bwd,
+        chunk_fwd_inter,
+        chunk_fwd_intra,
+        chunk_o_bwd,
+    )
+    from tests.ops.config_sweep import record_launches, sweep_configs
+
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=2, T=300, H=2, HV=2, K=D, V=D, gamma=True)
+    do = randn(inputs["v"].shape, gen, torch.float64)
+    dht = randn(inputs["initial_state"].shape, gen, torch.float64)
+    leaves = cast(inputs, torch.bfloat16, "cpu")
+    ref_leaves = {n: None if x is None else x.detach().double().requires_grad_()
+                  for n, x in leaves.items()}
+    o_ref, h_ref, g_ref = run(naive_recurrent_simple_gla, ref_leaves, do, dht)
+    refs = [o_ref, h_ref] + [g_ref[n] for n in ("q", "k", "v", "g", "initial_state")]
+
+    def call():
+        cuda = {n: None if x is None else x.detach().cuda().requires_grad_()
+                for n, x in leaves.items()}
+        o, ht, grads = run(chunk_simple_gla, cuda, do, dht)
+        return [o, ht] + [grads[n] for n in ("q", "k", "v", "g", "initial_state")]
+
+    modules = (chunk_fwd_intra, chunk_fwd_inter, chunk_delta_h, chunk_delta_h_bwd, chunk_o_bwd)
+    kernels = [(f"{m.__name__}.{name}", obj) for m in modules
+               for name, obj in vars(m).items() if isinstance(obj, TunedKernel)]
+    launched = []
+    for name, kernel in kernels:
+        with monkeypatch.context() as m:
+            calls = record_launches(m, kernel)
+            call()
+        if calls:
+            launched.append((name, kernel, call, refs, 2e-2))
+    failures = sweep_configs(monkeypatch, launched, min_configs=2)
+    assert not failures, "\n".join(failures)
