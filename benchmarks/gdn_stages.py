@@ -1,6 +1,8 @@
-"""Per-kernel timings of ``chunk_gated_delta_rule`` on the GPU (ours only), for kernel work.
+"""Per-kernel timings of ``chunk_gated_delta_rule`` (or, with ``--family simple_gla``,
+``chunk_simple_gla``) on the GPU (ours only), for kernel work.
 
-    python -m benchmarks.gdn_stages [--shapes 1x8192x96x128 ...] [--tune] [--json FILE]
+    python -m benchmarks.gdn_stages [--shapes 1x8192x96x128 ...] [--family simple_gla]
+                                    [--sweep [--only NAME]] [--quick] [--json FILE]
 
 For each shape (B, T, H, D; K = V = D; bf16 inputs, fp32 gates) prints the median
 ``do_bench`` time of the whole op (fwd, fwd+bwd) and of each kernel of the forward and
@@ -103,21 +105,66 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
     return st.warm, st.cold
 
 
-def sweep(x, quick: bool, only: str = "") -> dict:
+def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
+    """The kernels of chunk_simple_gla, plus the staged forward (state pass storing h,
+    then the parallel output stage) it could use instead of the fused one."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+    from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    scale = x["D"] ** -0.5
+    do = torch.randn_like(v)
+    st = Stages(quick)
+    with torch.no_grad():
+        g_cum, _, Aqk = st("fwd intra", lambda: chunk_gated_delta_rule_fwd_intra(
+            q, k, g, None, delta=False))
+        st("fwd inter", lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, None, None, Aqk,
+                                                                 scale))
+        h, _, _ = st("staged fwd_h", lambda: chunk_gated_delta_rule_fwd_h(
+            k, None, v, g_cum, save_new_value=False))
+        st("staged fwd_o", lambda: chunk_fwd_o(q, k, v, h, g_cum, scale))
+        dv = st("bwd dv_local", lambda: chunk_bwd_dv_local(q, k, do, g_cum, scale))
+        dh, _, dv2 = st("bwd dhu", lambda: chunk_gated_delta_rule_bwd_dhu(
+            q, k, None, g_cum, None, None, do, dv, scale))
+        st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv2, do, dh, scale))
+    leaves = [t_.requires_grad_() for t_ in (q, k, v, g)]
+
+    def fwd():
+        with torch.no_grad():
+            chunk_simple_gla(q, k, v, g)
+
+    def fwdbwd():
+        o, _ = chunk_simple_gla(q, k, v, g)
+        o.backward(do)
+        for leaf in leaves:
+            leaf.grad = None
+
+    st("op fwd", fwd)
+    st("op fwd+bwd", fwdbwd)
+    return st.warm, st.cold
+
+
+def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
     """Median time of every config in the tuning space of the fused forward's kernels."""
     from fla.ops.common.chunk_fwd_inter import (
         chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
     from fla.ops.common.chunk_fwd_intra import (
         chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_intra_kernel)
 
-    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    beta = x["beta"] if delta else None
     scale = x["D"] ** -0.5
     out = {}
     with torch.no_grad():
-        g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta)
+        g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)
         for kernel, call in (
                 (chunk_gated_delta_rule_fwd_intra_kernel,
-                 lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta)),
+                 lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)),
                 (chunk_gated_delta_rule_fwd_inter_kernel,
                  lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk, scale,
                                                           segment_chunks=0))):
@@ -134,7 +181,7 @@ def sweep(x, quick: bool, only: str = "") -> dict:
             call()
             kernel.launch = original
             configs = kernel.candidates(seen["kw"])
-            if kernel is chunk_gated_delta_rule_fwd_intra_kernel:
+            if kernel is chunk_gated_delta_rule_fwd_intra_kernel and delta:
                 # Compiling this one takes seconds: the warps are what matters here.
                 configs = [c for c in configs if c.num_stages == 2 and c.meta["BK"] == 64]
             for config in configs:
@@ -178,7 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="time every config of the fused forward's kernels instead")
     p.add_argument("--only", default="", help="with --sweep: kernels whose name has this")
+    p.add_argument("--family", default="gated_delta_rule",
+                   choices=["gated_delta_rule", "simple_gla"])
     args = p.parse_args(argv)
+    delta = args.family == "gated_delta_rule"
     copy_gbps = copy_bandwidth_gbps()
     print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__} | copy "
           f"{copy_gbps:.0f} GB/s", flush=True)
@@ -186,14 +236,14 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         x = make(shape)
         if args.sweep:
-            times = sweep(x, args.quick, args.only)
+            times = sweep(x, args.quick, args.only, delta)
             results[shape] = times
             print(f"== {shape} sweep:", flush=True)
             for name, ms in times.items():
                 print(f"   {ms:8.4f}  {name}", flush=True)
             continue
         try:
-            t, cold = stage_times(x, args.quick)
+            t, cold = (stage_times if delta else simple_gla_stage_times)(x, args.quick)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{shape}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             continue

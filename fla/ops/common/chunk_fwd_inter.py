@@ -44,11 +44,15 @@ CHUNK = 64  # the chunk size of chunk_fwd_intra's Ai and Aqk
 
 
 def _default(args) -> Config:
-    # BV = 32: a K = 128 state is 32 fp32 registers a thread at 4 warps, and a head's
-    # V = 128 is spread over 4 programs. Measured on H100 (Triton 3.6, bf16, K = V = 128,
-    # 1x8192x96): 1.17 ms; the best other configs 1.18 (BV = 64, 3 stages) and 1.21;
-    # 2 warps 1.2-4.4 ms (spills).
-    return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
+    # Gated delta rule: BV = 32, a K = 128 state is 32 fp32 registers a thread at 4 warps,
+    # and a head's V = 128 is spread over 4 programs. Measured on H100 (Triton 3.6, bf16,
+    # K = V = 128, 1x8192x96): 1.17 ms; the best other configs 1.18 (BV = 64, 3 stages)
+    # and 1.21; 2 warps 1.2-4.4 ms (spills).
+    # Simple GLA (no delta: three dots a chunk, not eight): BV = 64 halves the programs'
+    # repeated loads of Q, K and Aqk; same shape 0.51 ms against 0.78 at BV = 32 (1.19 at
+    # one stage, 0.71 at three). Above K = 128 the space holds BV = 32 only.
+    width = 64 if not args["DELTA"] and args["K"] <= 128 else 32
+    return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
 
 
 def _space(args) -> list[Config]:
@@ -423,7 +427,8 @@ def chunk_gated_delta_rule_fwd_inter(
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
         max_chunks = max(-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
-        programs = N * H * triton.cdiv(V, _default(dict(V=V)).meta["BV"])
+        programs = N * H * triton.cdiv(V, _default(dict(V=V, K=K, DELTA=Ai is not None))
+                                       .meta["BV"])
         segment_chunks = segment_chunks_for(programs, max_chunks)
     if not segment_chunks:
         kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
