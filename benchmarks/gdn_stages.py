@@ -113,7 +113,7 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
     from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
     from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
     from fla.ops.simple_gla import chunk_simple_gla
 
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
@@ -128,9 +128,8 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
         h, _, _ = st("staged fwd_h", lambda: chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, save_new_value=False))
         st("staged fwd_o", lambda: chunk_fwd_o(q, k, v, h, g_cum, scale))
-        dv = st("bwd dv_local", lambda: chunk_bwd_dv_local(q, k, do, g_cum, scale))
-        dh, _, dv2 = st("bwd dhu", lambda: chunk_gated_delta_rule_bwd_dhu(
-            q, k, None, g_cum, None, None, do, dv, scale))
+        dh, _, dv2 = st("bwd dhu (+dv_local)", lambda: chunk_gated_delta_rule_bwd_dhu(
+            q, k, None, g_cum, None, None, do, None, scale, Aqk=Aqk))
         st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv2, do, dh, scale))
     leaves = [t_.requires_grad_() for t_ in (q, k, v, g)]
 

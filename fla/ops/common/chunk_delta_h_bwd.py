@@ -49,14 +49,15 @@ def _dhu_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in stages]
 
 
-@tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "USE_INITIAL_STATE",
+@tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
              "USE_FINAL_STATE_GRADIENT"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
-    q, k, w, g, dht, dh0, do, dh, dv, dv2, cu_seqlens, chunk_offsets, scale, T,
+    q, k, w, g, dht, dh0, do, dh, dv, dv2, Aqk, cu_seqlens, chunk_offsets, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
+    LOCAL_FROM_AQK: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -160,11 +161,19 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_dv2 *= b_decay[:, None]
         v_off = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_dv2 += tl.load(dv + v_off, mask=m_tv, other=0.).to(tl.float32)
+        b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
+        if LOCAL_FROM_AQK:
+            # dv_local = scale·Aqkᵀ dO from the forward's causal scores: no separate kernel
+            # and no dv round trip through memory.
+            o_c = tl.arange(0, BT)
+            b_a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_c[None, :],
+                          mask=m_t[:, None], other=0.).to(dt)
+            b_dv2 += scale * tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
+        else:
+            b_dv2 += tl.load(dv + v_off, mask=m_tv, other=0.).to(tl.float32)
         tl.store(dv2 + v_off, b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
 
         # dS ← exp(γ_L) dS + scale·(Q ⊙ exp(γ))ᵀ dO − Wᵀ dVn
-        b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
         b_dv2c = b_dv2.to(dt)
         if USE_G:
             b_qscale = scale * tl.exp(b_g)     # γ ≤ 0 in a chunk: exp(γ) ≤ 1
@@ -246,11 +255,12 @@ def chunk_gated_delta_rule_bwd_dhu(
     h0: torch.Tensor | None,
     dht: torch.Tensor | None,
     do: torch.Tensor,
-    dv: torch.Tensor,
+    dv: torch.Tensor | None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
+    Aqk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -262,11 +272,14 @@ def chunk_gated_delta_rule_bwd_dhu(
             ``dh0`` is computed.
         dht: ``[N, H, K, V]`` gradient of the final state, or None (zero).
         do: ``[B, T, H, V]`` gradient of the output.
-        dv: ``[B, T, H, V]`` intra-chunk gradient of Vn (``chunk_bwd_dv_local``).
+        dv: ``[B, T, H, V]`` intra-chunk gradient of Vn (``chunk_bwd_dv_local``), or None
+            with ``Aqk``.
         scale: the output scale (default ``K ** -0.5``).
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_size: BT (64).
         chunk_indices: ``[NT, 2]`` rows for ``cu_seqlens`` (built here when None).
+        Aqk: ``[B, T, H, BT]`` the forward's causal gated scores (``chunk_fwd_intra``);
+            given, the pass computes dv_local = scale·Aqkᵀ dO itself and ``dv`` is unused.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -275,17 +288,17 @@ def chunk_gated_delta_rule_bwd_dhu(
         ``chunk_bwd_dqkwg`` needs); with ``cu_seqlens`` B = 1 and NT counts the chunks of
         all sequences;
         dh0 ``[N, H, K, V]`` float32, ∂L/∂initial_state, or None when ``h0`` is None;
-        dv2 ``[B, T, H, V]`` in dv's dtype, the full gradient of Vn (= ∂L/∂U).
+        dv2 ``[B, T, H, V]`` in dv's (else do's) dtype, the full gradient of Vn (= ∂L/∂U).
     """
-    check_kernel_device(q, k, w, g, do, dv)
+    check_kernel_device(q, k, w, g, do, dv, Aqk)
     B, T, H, K = k.shape
     V = do.shape[-1]
     if K > 256:
         raise ValueError(f"k: expected head dimension K <= 256, got {K}")
     BT = chunk_size
     scale = K ** -0.5 if scale is None else float(scale)
-    q, k, do, dv = (x.contiguous() for x in (q, k, do, dv))
-    w = None if w is None else w.contiguous()
+    q, k, do = q.contiguous(), k.contiguous(), do.contiguous()
+    w, dv, Aqk = (None if x is None else x.contiguous() for x in (w, dv, Aqk))
     g = None if g is None else g.contiguous()
     if cu_seqlens is not None:
         chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
@@ -298,17 +311,17 @@ def chunk_gated_delta_rule_bwd_dhu(
         dht = dht.contiguous()
     dh = k.new_empty(B, NT, H, K, V)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if h0 is not None else None
-    dv2 = torch.empty_like(dv)
+    dv2 = torch.empty_like(do if dv is None else dv)
     BK = tile_width(K, 64)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
 
     chunk_gated_delta_rule_bwd_dhu_kernel[grid](
-        q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
+        q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
         H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
-        USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
     )
     return dh, dh0, dv2

@@ -394,9 +394,13 @@ def fused_recurrent_gated_delta_rule_fwd(
 
 
 def _reverse_cumsum(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """``y_t = Σ_{s ≥ t} x_s`` within each sequence, over dim 1 of ``x [B, T, HV]``."""
+    """``y_t = Σ_{s ≥ t} x_s`` within each sequence, over dim 1 of ``x [B, T, HV]``.
+
+    Summed in float64 (a [B, T, HV] tensor: cheap): over thousands of tokens a float32
+    running sum loses digits that a later sum over tokens (a per-head decay's gradient)
+    would expose."""
     if cu_seqlens is None:
-        return x.flip(1).cumsum(1).flip(1)
+        return x.double().flip(1).cumsum(1).flip(1).to(x.dtype)
     T = x.shape[1]
     # One pass over the packed axis, then subtract what the later sequences contributed;
     # float64 so that the subtraction loses nothing.

@@ -7,9 +7,10 @@ Simple GLA is the gated delta rule without the delta: Vn = V, no (I + A)⁻¹ (A
     O = scale(e^γ Q S + Aqk V), S' = e^{γ_C} S + K̃ᵀ V       chunk_fwd_inter  (sequential)
 
 and its backward the staged gradient of the gated delta rule with W = 0: the states h
-are recomputed (``chunk_delta_h`` without W), then dV local (``chunk_bwd_dv_local``), the
-reverse state pass (``chunk_delta_h_bwd`` without W) and dQ, dK, dγ
-(``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
+are recomputed (``chunk_delta_h`` without W), then the reverse state pass
+(``chunk_delta_h_bwd`` without W, forming dV's in-chunk part scale·Aqkᵀ dO from the saved
+Aqk) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local
+cumsum of ∂L/∂γ.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
 from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
-from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs
 from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.ops.utils.cumsum import chunk_local_cumsum
@@ -43,14 +44,16 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         o, final_state = chunk_gated_delta_rule_fwd_inter(
             q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
             cu_seqlens=cu_seqlens, offsets=offsets)
-        ctx.save_for_backward(q, k, v, g_cum, initial_state, cu_seqlens, chunk_indices)
+        # Aqk (64 values a token and head) is kept: the reverse state pass turns it into
+        # dv_local without recomputing Q Kᵀ.
+        ctx.save_for_backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices)
         ctx.scale = scale
         ctx.g_dtype = None if g is None else g.dtype
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+        q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
         scale = ctx.scale
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
@@ -58,9 +61,9 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, save_new_value=False,
                                                **varlen)
-        dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
         dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
-                                                     dv, scale, chunk_size=CHUNK_SIZE, **varlen)
+                                                     None, scale, chunk_size=CHUNK_SIZE,
+                                                     Aqk=Aqk, **varlen)
         dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
                                         chunk_size=CHUNK_SIZE, **varlen)
         if dg is not None:
