@@ -192,7 +192,9 @@ def chunk_gated_delta_rule_fwd_intra_kernel(
             b_kt = tl.load(k_base + o_k[:, None] + o_t[None, :] * (H * K),
                            mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
             b_S = tl.dot(b_q, b_kt, b_S, input_precision=DOT_PRECISION)
-        causal = rows[:, None] >= o_t[None, :]
+        # Rows past a partial chunk's end are never stored; masking them too keeps their
+        # (undefined) exponents out of exp.
+        causal = (rows[:, None] >= o_t[None, :]) & (rows < L)[:, None]
         if USE_G:
             b_gr = _gamma_block(g_cum, row0, i_r * 16, L, H, i_h)
             b_S *= tl.exp(tl.where(causal, b_gr[:, None] - b_gc[None, :], 0.))
