@@ -1,0 +1,202 @@
+"""L2 normalisation over the last dimension, as a differentiable Triton op.
+
+For ``x: [..., D]``::
+
+    rstd = 1 / sqrt(Σ_d x_d² + eps),   y = x · rstd
+    dx   = rstd · (dy − y · Σ_d dy_d y_d)
+
+with the epsilon of ``fla.ops.utils.l2norm`` (:data:`L2NORM_EPS`) by default, so that
+normalising q and k here or inside an op (``use_qk_l2norm_in_kernel``) is one function.
+Rows up to ``layernorm_kernels.MAX_SINGLE_PASS_D`` wide are held in registers (several
+narrow rows, such as heads of 64-256, per program); wider rows are walked in chunks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+from fla.modules import layernorm_kernels as rows
+from fla.modules.layernorm import check_eps
+from fla.ops.utils.l2norm import L2NORM_EPS
+from fla.utils.backend import Backend, select_backend
+from fla.utils.tuning import Config, tuned
+from fla.utils.validation import FLOAT_DTYPES, check_tensor
+
+__all__ = ["l2norm", "l2_norm", "l2norm_fwd", "l2norm_bwd", "L2Norm", "L2NORM_EPS",
+           "l2norm_fwd_kernel", "l2norm_bwd_kernel"]
+
+
+def _default(args) -> Config:
+    BR, warps = rows.row_tile(args["BLOCK"], args["NCHUNK"] > 1)
+    return Config(BR=BR, num_warps=warps, num_stages=2)
+
+
+def _space(args) -> list[Config]:
+    BR, warps = rows.row_tile(args["BLOCK"], args["NCHUNK"] > 1)
+    row_options = [BR] if BR == 1 else sorted({max(1, BR // 2), BR, BR * 2})
+    return [Config(BR=r, num_warps=w, num_stages=2) for r in row_options
+            for w in sorted({max(1, warps // 2), warps, min(32, warps * 2)})]
+
+
+@tuned(key=["D", "BLOCK", "x", "y"], default=_default, space=_space)
+@triton.jit(do_not_specialize=["N"])
+def l2norm_fwd_kernel(x, y, rstd, eps, N, D: tl.constexpr, BLOCK: tl.constexpr,
+                      NCHUNK: tl.constexpr, BR: tl.constexpr):
+    """BR rows per program: x, y ``[N, D]`` contiguous, rstd fp32 ``[N]``. With
+    NCHUNK > 1 (BR = 1) the row is walked twice: Σx², then y."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < N
+    if NCHUNK == 1:
+        o_d = tl.arange(0, BLOCK)
+        mask = m_r[:, None] & (o_d < D)[None, :]
+        offs = o_r[:, None] * D + o_d[None, :]
+        b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
+        b_rstd = 1. / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
+        tl.store(y + offs, (b_x * b_rstd[:, None]).to(y.dtype.element_ty), mask=mask)
+    else:
+        b_acc = tl.zeros([BR, BLOCK], dtype=tl.float32)
+        for i_c in range(NCHUNK):
+            o_d = i_c * BLOCK + tl.arange(0, BLOCK)
+            mask = m_r[:, None] & (o_d < D)[None, :]
+            b_x = tl.load(x + o_r[:, None] * D + o_d[None, :], mask=mask, other=0.)
+            b_acc += b_x.to(tl.float32) * b_x.to(tl.float32)
+        b_rstd = 1. / tl.sqrt(tl.sum(b_acc, axis=1) + eps)
+        for i_c in range(NCHUNK):
+            o_d = i_c * BLOCK + tl.arange(0, BLOCK)
+            mask = m_r[:, None] & (o_d < D)[None, :]
+            offs = o_r[:, None] * D + o_d[None, :]
+            b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
+            tl.store(y + offs, (b_x * b_rstd[:, None]).to(y.dtype.element_ty), mask=mask)
+    tl.store(rstd + o_r, b_rstd, mask=m_r)
+
+
+@tuned(key=["D", "BLOCK", "x", "dy"], default=_default, space=_space)
+@triton.jit(do_not_specialize=["N"])
+def l2norm_bwd_kernel(x, rstd, dy, dx, N, D: tl.constexpr, BLOCK: tl.constexpr,
+                      NCHUNK: tl.constexpr, BR: tl.constexpr):
+    """dx = rstd (dy − y Σ dy·y) with y = x·rstd recomputed in fp32 from x (not read
+    back rounded from the output)."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < N
+    b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.)
+    if NCHUNK == 1:
+        o_d = tl.arange(0, BLOCK)
+        mask = m_r[:, None] & (o_d < D)[None, :]
+        offs = o_r[:, None] * D + o_d[None, :]
+        b_y = tl.load(x + offs, mask=mask, other=0.).to(tl.float32) * b_rstd[:, None]
+        b_dy = tl.load(dy + offs, mask=mask, other=0.).to(tl.float32)
+        b_c = tl.sum(b_dy * b_y, axis=1)
+        b_dx = (b_dy - b_y * b_c[:, None]) * b_rstd[:, None]
+        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=mask)
+    else:
+        b_acc = tl.zeros([BR, BLOCK], dtype=tl.float32)
+        for i_c in range(NCHUNK):
+            o_d = i_c * BLOCK + tl.arange(0, BLOCK)
+            mask = m_r[:, None] & (o_d < D)[None, :]
+            offs = o_r[:, None] * D + o_d[None, :]
+            b_y = tl.load(x + offs, mask=mask, other=0.).to(tl.float32) * b_rstd[:, None]
+            b_acc += tl.load(dy + offs, mask=mask, other=0.).to(tl.float32) * b_y
+        b_c = tl.sum(b_acc, axis=1)
+        for i_c in range(NCHUNK):
+            o_d = i_c * BLOCK + tl.arange(0, BLOCK)
+            mask = m_r[:, None] & (o_d < D)[None, :]
+            offs = o_r[:, None] * D + o_d[None, :]
+            b_y = tl.load(x + offs, mask=mask, other=0.).to(tl.float32) * b_rstd[:, None]
+            b_dy = tl.load(dy + offs, mask=mask, other=0.).to(tl.float32)
+            b_dx = (b_dy - b_y * b_c[:, None]) * b_rstd[:, None]
+            tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=mask)
+
+
+def _launch_rows(kernel, N: int, D: int, **args) -> None:
+    BLOCK, NCHUNK = rows.row_layout(D)
+    kernel[lambda meta: (-(-N // meta["BR"]),)](N=N, D=D, BLOCK=BLOCK, NCHUNK=NCHUNK, **args)
+
+
+def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS,
+               output_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward on validated input: ``x [..., D]`` -> ``(y [..., D] in output_dtype
+    (None: x's), rstd [...] fp32)``."""
+    shape, D = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    N = x2.shape[0]
+    y = torch.empty(x2.shape, dtype=output_dtype or x.dtype, device=x.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
+    _launch_rows(l2norm_fwd_kernel, N, D, x=x2, y=y, rstd=rstd, eps=float(eps))
+    return y.view(shape), rstd.view(shape[:-1])
+
+
+def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Triton backward: ``dx [..., D]`` in x's dtype from the forward's input x, its
+    rstd and the output gradient dy."""
+    shape, D = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    dy2 = dy.reshape(-1, D).contiguous()
+    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_rows(l2norm_bwd_kernel, x2.shape[0], D, x=x2, rstd=rstd.reshape(-1).contiguous(),
+                 dy=dy2, dx=dx)
+    return dx.view(shape)
+
+
+class L2NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps, output_dtype):
+        y, rstd = l2norm_fwd(x, eps, output_dtype)
+        ctx.save_for_backward(x, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd = ctx.saved_tensors
+        return l2norm_bwd(x, rstd, dy), None, None
+
+
+def _l2norm_torch(x, eps, output_dtype):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(output_dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS,
+           output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = x / sqrt(Σ x² + eps)`` over the last dim.
+
+    Args:
+        x: ``[..., D]`` fp32/fp16/bf16, D >= 1.
+        eps: added to the sum of squares (default :data:`L2NORM_EPS`, as the ops use).
+        output_dtype: dtype of y (None: x's). The sum is taken in fp32.
+
+    Returns:
+        y ``[..., D]``; differentiable in x.
+    """
+    check_tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
+    eps = check_eps(eps)
+    if output_dtype is not None and output_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"output_dtype: expected None or one of float32, float16, bfloat16, "
+                        f"got {output_dtype}")
+    output_dtype = output_dtype or x.dtype
+    if x.numel() == 0 or select_backend(x) is Backend.TORCH:
+        return _l2norm_torch(x, eps, output_dtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return L2NormFunction.apply(x, eps, output_dtype)
+    return l2norm_fwd(x, eps, output_dtype)[0]
+
+
+l2_norm = l2norm
+
+
+class L2Norm(nn.Module):
+    """:func:`l2norm` as a module (no parameters)."""
+
+    def __init__(self, eps: float = L2NORM_EPS, output_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = check_eps(eps)
+        self.output_dtype = output_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return l2norm(x, self.eps, self.output_dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
