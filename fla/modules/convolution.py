@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.utils.backend import Backend, select_backend
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -100,14 +100,8 @@ def causal_conv1d_fwd_kernel(
     ND = tl.cdiv(D, BD)
     i_dt, i_b = tl.program_id(0), tl.program_id(1)
     i_t, i_d = i_dt // ND, i_dt % ND
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        i_n = i_b
-        bos = i_b.to(tl.int64) * T
+    i_n, i_t, bos, T = locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices,
+                                             IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -150,14 +144,8 @@ def causal_conv1d_bwd_dw_kernel(
     i_dt, i_b = tl.program_id(0), tl.program_id(1)
     i_t, i_d = i_dt // ND, i_dt % ND
     i_p = (i_b * (tl.num_programs(0) // ND) + i_t).to(tl.int64)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        i_n = i_b
-        bos = i_b.to(tl.int64) * T
+    i_n, i_t, bos, T = locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices,
+                                             IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -196,14 +184,8 @@ def causal_conv1d_bwd_dx_kernel(
     ND = tl.cdiv(D, BD)
     i_dt, i_b = tl.program_id(0), tl.program_id(1)
     i_t, i_d = i_dt // ND, i_dt % ND
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        i_n = i_b
-        bos = i_b.to(tl.int64) * T
+    i_n, i_t, bos, T = locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices,
+                                             IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D

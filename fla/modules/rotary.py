@@ -26,7 +26,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.utils.backend import Backend, select_backend
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -82,14 +82,8 @@ def rotary_embedding_kernel(
     i_p = tl.program_id(0)
     i_t, i_bg = i_p // (B * NG), i_p % (B * NG)
     i_b, i_g = i_bg // NG, i_bg % NG
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        i_n = i_b
-        bos = i_b.to(tl.int64) * T
+    i_n, i_t, bos, T = locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices,
+                                             IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     # Global token rows in int64: B·T·H·D may pass 2³¹ elements.

@@ -213,14 +213,14 @@ def varlen_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int,
 
 
 @triton.jit
-def locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+def locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     """Inside a kernel with one program per chunk: map the grid's chunk index ``i_t`` and
-    batch index ``i_b`` to (the chunk's index within its sequence, the sequence's first
-    token as an int64 row of the ``[B·T]`` token axis, the sequence's length).
+    batch index ``i_b`` to (the sequence's index n, the chunk's index within it, the
+    sequence's first token as an int64 row of the ``[B·T]`` token axis, its length).
 
     Under varlen ``i_t`` indexes the rows of ``chunk_indices`` (sequence, chunk in
     sequence) and the batch is the single packed row; otherwise sequences are the B rows
-    of length T.
+    of length T and n = ``i_b``.
     """
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
@@ -228,5 +228,13 @@ def locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
+        i_n = i_b
         bos = i_b.to(tl.int64) * T
+    return i_n, i_t, bos, T
+
+
+@triton.jit
+def locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """:func:`locate_sequence_chunk` without the sequence index: ``(i_t, bos, T)``."""
+    _, i_t, bos, T = locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     return i_t, bos, T
