@@ -584,7 +584,19 @@ class ShortConvolution(nn.Conv1d):
         """
         check_tensor("x", x, ndim=3)
         B, T, D = x.shape
-        check_cu_seqlens(cu_seqlens, T=T, B=B)
+        if D != self.hidden_size:
+            raise ValueError(f"x: expected [B, T, D] with D = hidden_size = "
+                             f"{self.hidden_size}, got {tuple(x.shape)}")
+        offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
+        if cache is not None:
+            # Named here as the caller knows it: causal_conv1d calls it initial_state.
+            check_tensor("cache", cache)
+            N = B if offsets is None else len(offsets) - 1
+            if tuple(cache.shape) != (N, D, self.width):
+                raise ValueError(
+                    f"cache: expected shape [N, D, W] = [{N}, {D}, {self.width}] (N = "
+                    f"{'len(cu_seqlens) - 1' if offsets is not None else 'B'}, W = "
+                    f"kernel_size), got {tuple(cache.shape)}")
         one_token_each = (T == 1 and cu_seqlens is None) or (
             cu_seqlens is not None and B == 1 and cu_seqlens.numel() == T + 1)
         grad = torch.is_grad_enabled() and any(

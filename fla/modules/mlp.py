@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.modules.activations import swiglu_packed
+from fla.utils.validation import check_tensor
 
 __all__ = ["GatedMLP"]
 
@@ -81,9 +82,31 @@ class GatedMLP(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"hidden_act={self.hidden_act!r}, fuse_swiglu={self.fuse_swiglu}")
 
+    def _check_input(self, x) -> None:
+        """Refuse what ``nn.Linear`` would refuse with a RuntimeError about matrix sizes:
+        name x, the width expected and the one given."""
+        check_tensor("x", x, dtypes=None)
+        if not x.is_floating_point():
+            raise TypeError(f"x: expected a floating dtype (that of the weights, "
+                            f"{str(self.gate_up_proj.weight.dtype).replace('torch.', '')}), "
+                            f"got {str(x.dtype).replace('torch.', '')}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected shape [..., hidden_size] with hidden_size = "
+                             f"{self.hidden_size}, got {tuple(x.shape)}")
+        weight = self.gate_up_proj.weight
+        # Under autocast nn.Linear casts x itself; otherwise a dtype mismatch is an error.
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x: expected the dtype of the weights "
+                            f"{str(weight.dtype).replace('torch.', '')}, got "
+                            f"{str(x.dtype).replace('torch.', '')}")
+        if x.device != weight.device:
+            raise ValueError(f"x: expected device {weight.device} (the weights'), got "
+                             f"{x.device}")
+
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> ``[..., hidden_size]``. Extra keyword arguments
         (a layer's ``attention_mask`` and the like) are accepted and ignored."""
+        self._check_input(x)
         gate_up = self.gate_up_proj(x)
         if self.fuse_swiglu:
             h = swiglu_packed(gate_up)

@@ -6,7 +6,7 @@ import torch
 from fla.ops.retention.naive import retention_log_decay
 from fla.ops.simple_gla.chunk import chunk_simple_gla
 from fla.ops.simple_gla.fused_recurrent import fused_recurrent_simple_gla
-from fla.utils.validation import check_tensor
+from fla.utils.validation import Dims, check_shape, check_tensor, token_layout
 
 __all__ = ["chunk_retention", "fused_recurrent_retention"]
 
@@ -14,8 +14,8 @@ __all__ = ["chunk_retention", "fused_recurrent_retention"]
 def _head_decays(v: torch.Tensor, head_first: bool) -> torch.Tensor:
     """``log(1 − 2^(−5−h))`` for each head of v, float32 on v's device."""
     check_tensor("v", v)
-    if v.dim() != 4:
-        raise ValueError(f"v: expected 4 dims [B, T, H, V], got shape {list(v.shape)}")
+    # Only the rank here (H is read from v); every other rule is simple GLA's.
+    check_shape("v", v, token_layout("B T H V", head_first), Dims())
     H = v.shape[1] if head_first else v.shape[2]
     return retention_log_decay(H).to(device=v.device, dtype=torch.float32)
 

@@ -1,0 +1,472 @@
+"""Bad calls of every public op and module: each is refused before any kernel runs.
+
+The cases are a table: one :class:`Case` per bad call, naming the exception type and
+pieces of the message (the argument, the expected value, the value given). Adding a
+case is one line in ``CASES``. Each case builds its tensors on the device it is given,
+so the same table runs on CPU here and on CUDA in :func:`test_gpu_bad_calls_leave_cuda_usable`.
+
+"Before any kernel": every bad call runs under :func:`no_kernel_launches`, which makes
+any Triton launch (compiled or interpreted) raise, so a check that only fires inside a
+kernel (or a kernel launched before the check) fails the test.
+
+Decisions recorded here (and in fla/utils/validation.py):
+
+* T = 0 and an empty batch (B = 0) are refused with a ValueError naming the length, by
+  every op and module (no kernel handles an empty grid, and an "empty output plus the
+  initial state" answer would hide a bug upstream more often than serve a use).
+* Non-contiguous inputs (transposed views, strided slices) are accepted and give the
+  contiguous call's result bit for bit (see the ``NONCONTIGUOUS`` table).
+* Positive log-gates are not refused: checking values costs a device synchronisation
+  per call, and g > 0 is a well-defined (growing) recurrence.
+* NaN in an input propagates as NaN to the outputs that depend on it, and only to them.
+* Forward outputs are bitwise identical across identical calls; so are the gradients
+  (no kernel uses atomics; on the GPU only the tuning layer's config choice, fixed
+  per process and cached, could change a result between processes).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+import fla.modules as M
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fla.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update
+from fla.ops.retention import chunk_retention, fused_recurrent_retention
+from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+from fla.ops.utils import chunk_local_cumsum, solve_tril
+
+F32, F64 = torch.float32, torch.float64
+
+
+# ------------------------------------------------------------------------ the guard
+class KernelLaunched(BaseException):
+    """Not an ``Exception``: the tuning layer catches those (a config that fails to build
+    moves on to the next), and the guard must not be swallowed."""
+
+
+@contextlib.contextmanager
+def no_kernel_launches():
+    """Any Triton kernel launch inside the block raises :class:`KernelLaunched`.
+
+    Patched at Triton's own launch entry points, below our tuning layer, so a kernel
+    launched without ``@tuned`` is caught too. Under ``TRITON_INTERPRET=1``
+    ``triton.jit`` builds ``InterpretedFunction``s, which do not derive from
+    ``JITFunction``: both classes are patched.
+    """
+    from triton.runtime import interpreter, jit
+
+    def refuse(self, *args, **kwargs):
+        name = getattr(getattr(self, "fn", None), "__name__", repr(self))
+        raise KernelLaunched(f"a Triton kernel was launched before the input check: {name}")
+
+    saved = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+    try:
+        for cls, _ in saved:
+            cls.run = refuse
+        yield
+    finally:
+        for cls, run in saved:
+            cls.run = run
+
+
+def test_the_guard_catches_a_launch(device):
+    """The guard itself works: a good call that launches a kernel is stopped."""
+    x = torch.randn(4, 32, device=device)
+    with no_kernel_launches(), pytest.raises(KernelLaunched, match="l2norm"):
+        M.l2_norm(x)
+
+
+# ------------------------------------------------------------------------ builders
+def t(d, *shape, dtype=F32):
+    return torch.randn(shape, dtype=dtype, device=d)
+
+
+def idx(d, values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=d)
+
+
+def other(d) -> str:
+    """A device other than ``d``: the CPU next to a GPU, a meta device next to the CPU
+    (checks read only shapes, dtypes and devices, so a meta tensor is enough)."""
+    return "meta" if str(d) == "cpu" else "cpu"
+
+
+# Sizes of the token-mixing ops: T > H and K, V >= 16 so that the [B, H, T, D] guard stays
+# quiet on good calls.
+B, T, H, K, V = 2, 8, 2, 16, 16
+
+
+def qkv(d, b=B, tt=T, h=H, k=K, v=V, dtype=F32):
+    return t(d, b, tt, h, k, dtype=dtype), t(d, b, tt, h, k, dtype=dtype), \
+        t(d, b, tt, h, v, dtype=dtype)
+
+
+def gate(d, b=B, tt=T, h=H):
+    return -torch.rand(b, tt, h, device=d)
+
+
+def beta_(d, b=B, tt=T, h=H):
+    return torch.rand(b, tt, h, device=d)
+
+
+def gdr(d, *, q=None, k=None, v=None, g=None, beta=None, fn=chunk_gated_delta_rule, **kw):
+    """A gated-delta-rule call with good defaults; keyword arguments replace one input."""
+    q0, k0, v0 = qkv(d)
+    return fn(q=q0 if q is None else q, k=k0 if k is None else k, v=v0 if v is None else v,
+              g=gate(d) if g is None else g, beta=beta_(d) if beta is None else beta, **kw)
+
+
+def packed(d, tt=T):
+    """Good packed-sequence inputs: B = 1, T tokens."""
+    q, k, v = qkv(d, b=1, tt=tt)
+    return dict(q=q, k=k, v=v, g=gate(d, b=1, tt=tt), beta=beta_(d, b=1, tt=tt))
+
+
+def sgla(d, fn=chunk_simple_gla, **kw):
+    q, k, v = qkv(d)
+    args = dict(q=q, k=k, v=v, g=gate(d))
+    args.update(kw)
+    return fn(**args)
+
+
+# Mamba2: b, T, H heads of P channels, G groups of N state entries.
+MB, MT, MH, MP, MG, MN = 2, 8, 4, 8, 2, 16
+
+
+def ssd(d, **kw):
+    args = dict(x=t(d, MB, MT, MH, MP), dt=torch.rand(MB, MT, MH, device=d),
+                A=-torch.rand(MH, device=d), B=t(d, MB, MT, MG, MN), C=t(d, MB, MT, MG, MN),
+                chunk_size=64)
+    args.update(kw)
+    return mamba_chunk_scan_combined(**args)
+
+
+def ssu(d, **kw):
+    args = dict(state=t(d, MB, MH, MP, MN), x=t(d, MB, MH, MP), dt=torch.rand(MB, MH, device=d),
+                A=-torch.rand(MH, device=d), B=t(d, MB, MG, MN), C=t(d, MB, MG, MN))
+    args.update(kw)
+    return selective_state_update(**args)
+
+
+def fwd_h(d, **kw):
+    args = dict(k=t(d, B, T, H, K), w=t(d, B, T, H, K), u=t(d, B, T, H, V), g=gate(d))
+    args.update(kw)
+    return chunk_gated_delta_rule_fwd_h(**args)
+
+
+def rotary(d, q=None, k=None, dim=K, **kw):
+    q0, k0, _ = qkv(d)
+    return M.RotaryEmbedding(dim)(q0 if q is None else q, k0 if k is None else k, **kw)
+
+
+def conv(d, x=None, D=32, W=4, **kw):
+    layer = M.ShortConvolution(D, W).to(d)
+    return layer(t(d, B, T, D) if x is None else x, **kw)
+
+
+def ce(d, logits=None, target=None):
+    return M.FusedCrossEntropyLoss()(t(d, 6, 50) if logits is None else logits,
+                                     idx(d, [1, 2, 3, 4, 5, 6]) if target is None else target)
+
+
+def flce(d, x=None, target=None, weight=None, bias=None):
+    return M.FusedLinearCrossEntropyLoss()(
+        t(d, 6, 32) if x is None else x,
+        idx(d, [1, 2, 3, 4, 5, 6]) if target is None else target,
+        t(d, 50, 32) if weight is None else weight, bias)
+
+
+# --------------------------------------------------------------------------- cases
+@dataclass(frozen=True)
+class Case:
+    """One bad call: ``call(device)`` must raise ``error`` with every one of ``needles``
+    in its message (the argument, what was expected, what was given). ``<other>`` in a
+    needle stands for :func:`other` of the device the case runs on."""
+
+    name: str
+    call: Callable[[str], object]
+    error: type[Exception]
+    needles: Sequence[str]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_cg = chunk_gated_delta_rule
+_fr = fused_recurrent_gated_delta_rule
+
+CASES: list[Case] = [
+    # ---- gated delta rule (chunk and fused recurrent share the checks; both are called)
+    Case("gdr/q_rank3", lambda d: gdr(d, q=t(d, B, T, H * K)), ValueError,
+         ["q:", "4-D", "[B, T, H, K]", "3-D", f"({B}, {T}, {H * K})"]),
+    Case("gdr/bhtd_passed_as_bthd", lambda d: gdr(
+        d, q=t(d, 1, 4, 64, K), k=t(d, 1, 4, 64, K), v=t(d, 1, 4, 64, V),
+        g=gate(d, 1, 4, 64), beta=beta_(d, 1, 4, 64)), ValueError,
+         ["q:", "(1, 4, 64, 16)", "T = 4", "H = 64", "head_first=True"]),
+    Case("gdr/k_transposed_vs_q", lambda d: gdr(d, k=t(d, B, H, T, K)), ValueError,
+         ["k:", "[B, T, H, K]", f"({B}, {H}, {T}, {K})", f"T is {H} here but {T} in q"]),
+    Case("gdr/v_batch_mismatch", lambda d: gdr(d, v=t(d, B + 1, T, H, V)), ValueError,
+         ["v:", f"B is {B + 1} here but {B} in q"]),
+    Case("gdr/v_time_mismatch", lambda d: gdr(d, fn=_fr, v=t(d, B, T + 1, H, V)), ValueError,
+         ["v:", f"T is {T + 1} here but {T} in q"]),
+    Case("gdr/v_heads_not_multiple", lambda d: gdr(d, v=t(d, B, T, 3, V), g=gate(d, h=3),
+                                                   beta=beta_(d, h=3)), ValueError,
+         ["v:", "multiple", f"H = {H}", "HV = 3"]),
+    Case("gdr/g_wrong_rank", lambda d: gdr(d, g=gate(d)[..., None]), ValueError,
+         ["g:", "3-D", "[B, T, HV]", "4-D", f"({B}, {T}, {H}, 1)"]),
+    Case("gdr/g_heads_mismatch", lambda d: gdr(d, fn=_fr, g=gate(d, h=H + 1)), ValueError,
+         ["g:", f"HV is {H + 1} here but {H} in v"]),
+    Case("gdr/beta_time_mismatch", lambda d: gdr(d, beta=beta_(d, tt=T - 1)), ValueError,
+         ["beta:", f"T is {T - 1} here but {T} in q"]),
+    Case("gdr/q_int", lambda d: gdr(d, q=torch.ones(B, T, H, K, dtype=torch.int32, device=d)),
+         TypeError, ["q:", "float32, float16, bfloat16", "got int32"]),
+    Case("gdr/v_float64", lambda d: gdr(d, fn=_fr, v=t(d, B, T, H, V, dtype=F64)), TypeError,
+         ["v:", "float32, float16, bfloat16", "got float64"]),
+    Case("gdr/g_int", lambda d: gdr(d, g=torch.zeros(B, T, H, dtype=torch.int64, device=d)),
+         TypeError, ["g:", "float32", "got int64"]),
+    Case("gdr/head_dim_K_over_limit", lambda d: gdr(d, q=t(d, B, T, H, 512),
+                                                    k=t(d, B, T, H, 512)), ValueError,
+         ["q:", "K = 512", "K <= 256"]),
+    Case("gdr/head_dim_V_over_limit", lambda d: gdr(d, fn=_fr, v=t(d, B, T, H, 320)), ValueError,
+         ["v:", "V = 320", "V <= 256"]),
+    Case("gdr/cu_seqlens_not_from_0", lambda d: _cg(**packed(d), cu_seqlens=idx(d, [1, 4, T])),
+         ValueError, ["cu_seqlens:", "first offset to be 0", "got 1"]),
+    Case("gdr/cu_seqlens_not_increasing",
+         lambda d: _fr(**packed(d), cu_seqlens=idx(d, [0, 5, 3, T])), ValueError,
+         ["cu_seqlens:", "strictly increasing", "5 then 3"]),
+    Case("gdr/cu_seqlens_repeated_offset",
+         lambda d: _cg(**packed(d), cu_seqlens=idx(d, [0, 3, 3, T])), ValueError,
+         ["cu_seqlens:", "strictly increasing", "3 then 3"]),
+    Case("gdr/cu_seqlens_not_ending_at_T",
+         lambda d: _cg(**packed(d), cu_seqlens=idx(d, [0, 3, T - 1])), ValueError,
+         ["cu_seqlens:", f"T = {T}", f"got {T - 1}"]),
+    Case("gdr/cu_seqlens_with_batch_2", lambda d: gdr(d, cu_seqlens=idx(d, [0, 3, T])),
+         ValueError, ["cu_seqlens:", "B == 1", f"B = {B}"]),
+    Case("gdr/cu_seqlens_float", lambda d: _cg(**packed(d), cu_seqlens=idx(d, [0, 3, T], F32)),
+         TypeError, ["cu_seqlens:", "int32, int64", "got float32"]),
+    Case("gdr/cu_seqlens_2d", lambda d: _cg(**packed(d), cu_seqlens=idx(d, [[0, 3, T]])),
+         ValueError, ["cu_seqlens:", "1-D", "(1, 3)"]),
+    Case("gdr/initial_state_wrong_N", lambda d: gdr(d, initial_state=t(d, B + 1, H, K, V)),
+         ValueError, ["initial_state:", "[N, HV, K, V]", f"N is {B + 1} here but {B}"]),
+    Case("gdr/initial_state_N_vs_cu_seqlens", lambda d: _fr(
+        **packed(d), cu_seqlens=idx(d, [0, 3, 5, T]), initial_state=t(d, 2, H, K, V)),
+         ValueError, ["initial_state:", "N is 2 here but 3", "cu_seqlens"]),
+    Case("gdr/initial_state_K_V_swapped", lambda d: gdr(
+        d, q=t(d, B, T, H, 32), k=t(d, B, T, H, 32), initial_state=t(d, B, H, V, 32)),
+         ValueError, ["initial_state:", "[N, HV, K, V]", "K is 16 here but 32 in q"]),
+    Case("gdr/initial_state_float64", lambda d: gdr(d, initial_state=t(d, B, H, K, V, dtype=F64)),
+         TypeError, ["initial_state:", "float32", "got float64"]),
+    Case("gdr/k_on_other_device", lambda d: gdr(d, k=t(other(d), B, T, H, K)), ValueError,
+         ["k:", "expected device", "got <other>"]),
+    Case("gdr/initial_state_on_other_device",
+         lambda d: gdr(d, fn=_fr, initial_state=t(other(d), B, H, K, V)), ValueError,
+         ["initial_state:", "expected device", "got <other>"]),
+    Case("gdr/T_0", lambda d: gdr(d, q=t(d, B, 0, H, K), k=t(d, B, 0, H, K), v=t(d, B, 0, H, V),
+                                  g=gate(d, tt=0), beta=beta_(d, tt=0)), ValueError,
+         ["sequence length", "T >= 1", "T = 0"]),
+    Case("gdr/empty_batch", lambda d: gdr(d, fn=_fr, q=t(d, 0, T, H, K), k=t(d, 0, T, H, K),
+                                          v=t(d, 0, T, H, V), g=gate(d, b=0), beta=beta_(d, b=0)),
+         ValueError, ["batch size", "B >= 1", "B = 0"]),
+    Case("gdr/scale_nan", lambda d: gdr(d, scale=float("nan")), ValueError,
+         ["scale:", "finite", "nan"]),
+    Case("gdr/q_not_a_tensor", lambda d: gdr(d, q=[[1.0]]), TypeError,
+         ["q:", "torch.Tensor", "list"]),
+    # ---- delta rule (wrappers of the gated delta rule)
+    Case("delta/beta_wrong_shape", lambda d: chunk_delta_rule(*qkv(d), beta=beta_(d)[..., :1]),
+         ValueError, ["beta:", f"HV is 1 here but {H} in v"]),
+    Case("delta/k_float16_vs_q_float32", lambda d: fused_recurrent_delta_rule(
+        *qkv(d), beta=beta_(d), initial_state=torch.ones(B, H, K, V, dtype=torch.bool, device=d)),
+         TypeError, ["initial_state:", "float32", "got bool"]),
+    # ---- simple GLA and retention
+    Case("sgla/g_gamma_wrong_shape", lambda d: sgla(d, g=None, g_gamma=-torch.rand(H, 1, device=d)),
+         ValueError, ["g_gamma:", f"[{H}]", f"[{H}, 1]"]),
+    Case("sgla/g_gamma_other_device", lambda d: sgla(d, g_gamma=-torch.rand(H, device=other(d))),
+         ValueError, ["g_gamma:", "expected device", "got <other>"]),
+    Case("sgla/g_int", lambda d: sgla(d, fn=fused_recurrent_simple_gla,
+                                      g=torch.zeros(B, T, H, dtype=torch.int32, device=d)),
+         TypeError, ["g:", "float32", "got int32"]),
+    Case("sgla/cu_seqlens_past_T", lambda d: fused_recurrent_simple_gla(
+        *qkv(d, b=1), g=gate(d, b=1), cu_seqlens=idx(d, [0, 4, T + 3])), ValueError,
+         ["cu_seqlens:", f"T = {T}", f"got {T + 3}"]),
+    Case("sgla/initial_state_rank3", lambda d: sgla(d, initial_state=t(d, B, H, K)), ValueError,
+         ["initial_state:", "4-D", "[N, HV, K, V]", "3-D"]),
+    Case("retention/q_rank5", lambda d: chunk_retention(t(d, B, T, H, K, 1), *qkv(d)[1:]),
+         ValueError, ["q:", "4-D", "5-D"]),
+    Case("retention/v_int", lambda d: fused_recurrent_retention(
+        *qkv(d)[:2], torch.ones(B, T, H, V, dtype=torch.int64, device=d)), TypeError,
+         ["v:", "float32", "got int64"]),
+    Case("retention/v_rank3", lambda d: chunk_retention(*qkv(d)[:2], t(d, B, T, H * V)),
+         ValueError, ["v:", "4-D", "3-D", f"({B}, {T}, {H * V})"]),
+    Case("retention/T_0", lambda d: chunk_retention(*qkv(d, tt=0)), ValueError,
+         ["T >= 1", "T = 0"]),
+    # ---- Mamba2 chunked scan
+    Case("ssd/x_rank3", lambda d: ssd(d, x=t(d, MB, MT, MH * MP)), ValueError,
+         ["x:", "4-D", "[b, T, H, P]", "3-D"]),
+    Case("ssd/dt_heads_mismatch", lambda d: ssd(d, dt=torch.rand(MB, MT, MH + 1, device=d)),
+         ValueError, ["dt:", f"H is {MH + 1} here but {MH} in x"]),
+    Case("ssd/A_per_channel", lambda d: ssd(d, A=-torch.rand(MH, MP, device=d)), ValueError,
+         ["A:", "1-D", "[H]", "2-D"]),
+    Case("ssd/groups_not_dividing_heads", lambda d: ssd(d, B=t(d, MB, MT, 3, MN),
+                                                       C=t(d, MB, MT, 3, MN)), ValueError,
+         ["B:", "G = 3", f"H = {MH}"]),
+    Case("ssd/C_state_size_mismatch", lambda d: ssd(d, C=t(d, MB, MT, MG, MN + 1)), ValueError,
+         ["C:", f"N is {MN + 1} here but {MN} in B"]),
+    Case("ssd/D_wrong_shape", lambda d: ssd(d, D=t(d, MH + 1)), ValueError,
+         ["D:", f"H is {MH + 1} here but {MH} in x"]),
+    Case("ssd/z_wrong_shape", lambda d: ssd(d, z=t(d, MB, MT, MH, MP + 1)), ValueError,
+         ["z:", f"P is {MP + 1} here but {MP} in x"]),
+    Case("ssd/chunk_size_0", lambda d: ssd(d, chunk_size=0), ValueError,
+         ["chunk_size:", "positive", "got 0"]),
+    Case("ssd/initial_states_transposed", lambda d: ssd(
+        d, initial_states=t(d, MB, MH, MN, MP)), ValueError,
+         ["initial_states:", "[Ns, H, P, N]", f"P is {MN} here but {MP} in x"]),
+    Case("ssd/seq_idx_with_batch_2", lambda d: ssd(
+        d, seq_idx=torch.zeros(MB, MT, dtype=torch.int32, device=d)), ValueError,
+         ["seq_idx:", "b == 1", f"b = {MB}"]),
+    Case("ssd/seq_idx_decreasing", lambda d: ssd(
+        d, x=t(d, 1, MT, MH, MP), dt=torch.rand(1, MT, MH, device=d), B=t(d, 1, MT, MG, MN),
+        C=t(d, 1, MT, MG, MN), seq_idx=idx(d, [[0, 0, 1, 1, 0, 2, 2, 2]])), ValueError,
+         ["seq_idx:", "non-decreasing", "1 then 0"]),
+    Case("ssd/dt_limit_reversed", lambda d: ssd(d, dt_limit=(1.0, 0.5)), ValueError,
+         ["dt_limit:", "low <= high", "low = 1.0", "high = 0.5"]),
+    Case("ssd/x_float64", lambda d: ssd(d, x=t(d, MB, MT, MH, MP, dtype=F64)), TypeError,
+         ["x:", "float32", "got float64"]),
+    Case("ssd/T_0", lambda d: ssd(d, x=t(d, MB, 0, MH, MP), dt=torch.rand(MB, 0, MH, device=d),
+                                  B=t(d, MB, 0, MG, MN), C=t(d, MB, 0, MG, MN)), ValueError,
+         ["sequence length", "T >= 1", "T = 0"]),
+    Case("ssd/empty_batch", lambda d: ssd(d, x=t(d, 0, MT, MH, MP), dt=torch.rand(0, MT, MH, device=d),
+                                          B=t(d, 0, MT, MG, MN), C=t(d, 0, MT, MG, MN)), ValueError,
+         ["batch size", "b >= 1", "b = 0"]),
+    Case("ssd/dt_bias_other_device", lambda d: ssd(d, dt_bias=t(other(d), MH)), ValueError,
+         ["dt_bias:", "expected device", "got <other>"]),
+    # ---- Mamba2 decoding step
+    Case("ssu/state_rank5", lambda d: ssu(d, state=t(d, MB, MH, MP, MN, 1)), ValueError,
+         ["state:", "4-D", "5-D"]),
+    Case("ssu/x_heads_mismatch", lambda d: ssu(d, x=t(d, MB, MH + 1, MP)), ValueError,
+         ["dt:", f"H is {MH} here but {MH + 1} in x"]),
+    Case("ssu/dt_rank1", lambda d: ssu(d, dt=torch.rand(MB, device=d)), ValueError,
+         ["dt:", "[b, H, P] or [b, H]", "1-D"]),
+    Case("ssu/state_N_vs_B", lambda d: ssu(d, state=t(d, MB, MH, MP, MN * 2)), ValueError,
+         ["state:", f"N is {2 * MN} here but {MN} in B"]),
+    Case("ssu/indices_float", lambda d: ssu(d, state_batch_indices=idx(d, [0.0, 1.0], F32)),
+         TypeError, ["state_batch_indices:", "int32, int64", "got float32"]),
+    Case("ssu/state_int", lambda d: ssu(
+        d, state=torch.zeros(MB, MH, MP, MN, dtype=torch.int32, device=d)), TypeError,
+         ["state:", "float32", "got int32"]),
+    Case("ssu/empty_batch", lambda d: ssu(d, state=t(d, 0, MH, MP, MN), x=t(d, 0, MH, MP),
+                                          dt=torch.rand(0, MH, device=d), B=t(d, 0, MG, MN),
+                                          C=t(d, 0, MG, MN)), ValueError,
+         ["batch size", "b >= 1", "b = 0"]),
+    # ---- public chunk stages and utilities
+    Case("fwd_h/u_dtype_differs_from_k", lambda d: fwd_h(
+        d, u=t(d, B, T, H, V).to(torch.bfloat16)), TypeError, ["u:", "float32", "bfloat16"]),
+    Case("fwd_h/chunk_size_48", lambda d: fwd_h(d, chunk_size=48), ValueError,
+         ["chunk_size", "48"]),
+    Case("fwd_h/initial_state_wrong_H", lambda d: fwd_h(d, initial_state=t(d, B, H + 1, K, V)),
+         ValueError, ["initial_state:", f"H is {H + 1} here but {H} in k"]),
+    Case("fwd_h/g_vector_gate", lambda d: fwd_h(d, g=t(d, B, T, H, K)), ValueError,
+         ["g:", "3-D", "4-D"]),
+    Case("kkt/beta_wrong_T", lambda d: chunk_scaled_dot_kkt_fwd(
+        t(d, B, T, H, K), beta=beta_(d, tt=T + 2)), ValueError,
+         ["beta:", f"T is {T + 2} here but {T} in k"]),
+    Case("kkt/output_dtype_int", lambda d: chunk_scaled_dot_kkt_fwd(
+        t(d, B, T, H, K), output_dtype=torch.int32), TypeError, ["output_dtype", "int32"]),
+    Case("cumsum/chunk_size_3", lambda d: chunk_local_cumsum(gate(d), 3), ValueError,
+         ["chunk_size:", "power of two", "3"]),
+    Case("cumsum/g_rank2", lambda d: chunk_local_cumsum(t(d, B, T), 64), ValueError,
+         ["g:", "[B, T, H]", "(2, 8)"]),
+    Case("cumsum/cu_seqlens_with_batch_2", lambda d: chunk_local_cumsum(
+        gate(d), 64, cu_seqlens=idx(d, [0, 3, T])), ValueError, ["cu_seqlens:", "B = 2"]),
+    Case("solve_tril/chunk_48", lambda d: solve_tril(t(d, B, T, H, 48)), ValueError,
+         ["A:", "BT", "48"]),
+    Case("solve_tril/rank3", lambda d: solve_tril(t(d, B, T, 16)), ValueError,
+         ["A:", "4-D", "3-D"]),
+    Case("solve_tril/float64", lambda d: solve_tril(t(d, B, T, H, 16, dtype=F64)), TypeError,
+         ["A:", "float32", "got float64"]),
+    # ---- modules
+    Case("rmsnorm/hidden_size_mismatch", lambda d: M.RMSNorm(32).to(d)(t(d, 4, 48)), ValueError,
+         ["x:", "hidden_size = 32", "48"]),
+    Case("rmsnorm/x_int", lambda d: M.RMSNorm(32).to(d)(torch.ones(4, 32, dtype=torch.int64,
+                                                                    device=d)),
+         TypeError, ["x:", "float32", "got int64"]),
+    Case("layernorm/residual_wrong_shape", lambda d: M.LayerNorm(32).to(d)(
+        t(d, 4, 32), residual=t(d, 5, 32)), ValueError, ["residual:", "(4, 32)", "(5, 32)"]),
+    Case("groupnorm/groups_not_dividing", lambda d: M.GroupNorm(3, 32), ValueError,
+         ["num_groups:", "3", "32"]),
+    Case("normgate/g_wrong_shape", lambda d: M.FusedRMSNormGated(32).to(d)(
+        t(d, 4, 32), t(d, 4, 16)), ValueError, ["g:", "(4, 32)", "(4, 16)"]),
+    Case("rotary/dim_over_head_dim", lambda d: rotary(d, dim=2 * K), ValueError,
+         ["dim", f"{2 * K}", f"{K}"]),
+    Case("rotary/k_head_dim_differs", lambda d: rotary(d, k=t(d, B, T, H, 2 * K)), ValueError,
+         ["k:", f"{2 * K}", f"{K}"]),
+    Case("rotary/negative_offset", lambda d: rotary(d, seqlen_offset=-1), ValueError,
+         ["seqlen_offset:", ">= 0", "-1"]),
+    Case("rotary/T_0", lambda d: rotary(d, q=t(d, B, 0, H, K), k=t(d, B, 0, H, K)), ValueError,
+         ["T >= 1", "T = 0"]),
+    Case("rotary/cu_seqlens_not_ending_at_T", lambda d: rotary(
+        d, q=t(d, 1, T, H, K), k=t(d, 1, T, H, K), cu_seqlens=idx(d, [0, 2, 5])), ValueError,
+         ["cu_seqlens:", f"T = {T}", "got 5"]),
+    Case("conv/channels_mismatch", lambda d: conv(d, x=t(d, B, T, 48)), ValueError,
+         ["x:", "hidden_size = 32", f"({B}, {T}, 48)"]),
+    Case("conv/x_rank2", lambda d: conv(d, x=t(d, T, 32)), ValueError, ["x:", "3-D", "2-D"]),
+    Case("conv/cache_wrong_width", lambda d: conv(d, cache=t(d, B, 32, 3)), ValueError,
+         ["cache:", "[N, D, W]", "[2, 32, 4]", "(2, 32, 3)"]),
+    Case("conv/empty_batch", lambda d: conv(d, x=t(d, 0, T, 32)), ValueError,
+         ["B >= 1", "B = 0"]),
+    Case("l2norm/x_int", lambda d: M.l2_norm(torch.ones(4, 32, dtype=torch.int32, device=d)),
+         TypeError, ["x:", "float32", "got int32"]),
+    Case("l2norm/output_dtype_float64", lambda d: M.l2_norm(t(d, 4, 32), output_dtype=F64),
+         TypeError, ["output_dtype", "float64"]),
+    Case("mlp/hidden_size_mismatch", lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(
+        t(d, 4, 48)), ValueError, ["x:", "hidden_size = 32", "(4, 48)"]),
+    Case("mlp/x_bf16_weights_fp32", lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(
+        t(d, 4, 32).bfloat16()), TypeError, ["x:", "float32", "got bfloat16"]),
+    Case("mlp/x_int", lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(
+        torch.ones(4, 32, dtype=torch.int64, device=d)), TypeError, ["x:", "floating", "got int64"]),
+    Case("ce/token_id_ge_vocab", lambda d: ce(d, target=idx(d, [1, 2, 3, 50, 5, 6])), ValueError,
+         ["target:", "[0, 50)", "max 50"]),
+    Case("ce/token_id_negative", lambda d: ce(d, target=idx(d, [1, 2, -3, 4, 5, 6])), ValueError,
+         ["target:", "[0, 50)", "min -3"]),
+    Case("ce/target_float", lambda d: ce(d, target=t(d, 6)), TypeError,
+         ["target:", "integer dtype", "float32"]),
+    Case("ce/target_wrong_rows", lambda d: ce(d, target=idx(d, [1, 2, 3])), ValueError,
+         ["target:", "(6,)", "(3,)"]),
+    Case("ce/logits_on_other_device", lambda d: ce(d, logits=t(other(d), 6, 50)), ValueError,
+         ["expected device"]),
+    Case("flce/weight_hidden_mismatch", lambda d: flce(d, weight=t(d, 50, 48)), ValueError,
+         ["weight:", "H = 32", "(50, 48)"]),
+    Case("flce/token_id_ge_vocab", lambda d: flce(d, target=idx(d, [1, 2, 3, 4, 5, 77])),
+         ValueError, ["target:", "[0, 50)", "max 77"]),
+    Case("flce/bias_wrong_shape", lambda d: flce(d, bias=t(d, 49)), ValueError,
+         ["bias:", "(50,)", "49"]),
+    Case("flce/empty_rows", lambda d: flce(d, x=t(d, 0, 32), target=idx(d, [])), ValueError,
+         ["x:", "at least one row", "N = 0"]),
+]
+
+
+def test_the_cases_are_many_and_distinct():
+    names = [case.name for case in CASES]
+    assert len(names) == len(set(names)), "two cases share a name"
+    assert len(CASES) >= 45
+
+
+def _expect_refusal(case: Case, device) -> None:
+    with no_kernel_launches():
+        with pytest.raises(case.error) as info:
+            case.call(device)
+    message = str(info.value)
+    needles = [n.replace("<other>", other(device)) for n in case.needles]
+    missing = [n for n in needles if n not in message]
+    assert not missing, f"{case.name}: message {message!r} lacks {missing}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bad_call_is_refused_before_any_kernel(case):
+    _expect_refusal(case, "cpu")
