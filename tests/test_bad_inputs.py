@@ -14,8 +14,9 @@ Decisions recorded here (and in fla/utils/validation.py):
 * T = 0 and an empty batch (B = 0) are refused with a ValueError naming the length, by
   every op and module (no kernel handles an empty grid, and an "empty output plus the
   initial state" answer would hide a bug upstream more often than serve a use).
-* Non-contiguous inputs (transposed views, strided slices) are accepted and give the
-  contiguous call's result bit for bit (see the ``NONCONTIGUOUS`` table).
+* Non-contiguous inputs (transposed views, strided slices, batch-strided slices of a
+  larger buffer) are accepted and give the contiguous call's result (see ``STRIDED``):
+  the ops copy them to contiguous tensors or pass their strides to the kernels.
 * Positive log-gates are not refused: checking values costs a device synchronisation
   per call, and g > 0 is a well-defined (growing) recurrence.
 * NaN in an input propagates as NaN to the outputs that depend on it, and only to them.
@@ -274,6 +275,9 @@ CASES: list[Case] = [
     Case("gdr/empty_batch", lambda d: gdr(d, fn=_fr, q=t(d, 0, T, H, K), k=t(d, 0, T, H, K),
                                           v=t(d, 0, T, H, V), g=gate(d, b=0), beta=beta_(d, b=0)),
          ValueError, ["batch size", "B >= 1", "B = 0"]),
+    Case("gdr/zero_heads", lambda d: gdr(d, q=t(d, B, T, 0, K), k=t(d, B, T, 0, K),
+                                         v=t(d, B, T, 0, V), g=gate(d, h=0), beta=beta_(d, h=0)),
+         ValueError, ["q:", "number of heads H >= 1", "H = 0"]),
     Case("gdr/scale_nan", lambda d: gdr(d, scale=float("nan")), ValueError,
          ["scale:", "finite", "nan"]),
     Case("gdr/q_not_a_tensor", lambda d: gdr(d, q=[[1.0]]), TypeError,
@@ -297,6 +301,8 @@ CASES: list[Case] = [
          ["cu_seqlens:", f"T = {T}", f"got {T + 3}"]),
     Case("sgla/initial_state_rank3", lambda d: sgla(d, initial_state=t(d, B, H, K)), ValueError,
          ["initial_state:", "4-D", "[N, HV, K, V]", "3-D"]),
+    Case("sgla/T_0", lambda d: chunk_simple_gla(*qkv(d, tt=0), g=gate(d, tt=0)), ValueError,
+         ["q:", "sequence length T >= 1", "T = 0"]),
     Case("retention/q_rank5", lambda d: chunk_retention(t(d, B, T, H, K, 1), *qkv(d)[1:]),
          ValueError, ["q:", "4-D", "5-D"]),
     Case("retention/v_int", lambda d: fused_recurrent_retention(
@@ -344,6 +350,8 @@ CASES: list[Case] = [
     Case("ssd/empty_batch", lambda d: ssd(d, x=t(d, 0, MT, MH, MP), dt=torch.rand(0, MT, MH, device=d),
                                           B=t(d, 0, MT, MG, MN), C=t(d, 0, MT, MG, MN)), ValueError,
          ["batch size", "b >= 1", "b = 0"]),
+    Case("ssd/zero_groups", lambda d: ssd(d, B=t(d, MB, MT, 0, MN), C=t(d, MB, MT, 0, MN)),
+         ValueError, ["B:", "number of groups G >= 1", "G = 0"]),
     Case("ssd/dt_bias_other_device", lambda d: ssd(d, dt_bias=t(other(d), MH)), ValueError,
          ["dt_bias:", "expected device", "got <other>"]),
     # ---- Mamba2 decoding step
@@ -365,6 +373,11 @@ CASES: list[Case] = [
                                           C=t(d, 0, MG, MN)), ValueError,
          ["batch size", "b >= 1", "b = 0"]),
     # ---- public chunk stages and utilities
+    Case("ssu/zero_groups", lambda d: ssu(d, B=t(d, MB, 0, MN), C=t(d, MB, 0, MN)),
+         ValueError, ["B:", "number of groups G >= 1", "G = 0"]),
+    Case("ssu/zero_heads", lambda d: ssu(d, state=t(d, MB, 0, MP, MN), x=t(d, MB, 0, MP),
+                                         dt=torch.rand(MB, 0, device=d), A=t(d, 0)), ValueError,
+         ["x:", "number of heads H >= 1", "H = 0"]),
     Case("fwd_h/u_dtype_differs_from_k", lambda d: fwd_h(
         d, u=t(d, B, T, H, V).to(torch.bfloat16)), TypeError, ["u:", "float32", "bfloat16"]),
     Case("fwd_h/chunk_size_48", lambda d: fwd_h(d, chunk_size=48), ValueError,
@@ -378,10 +391,14 @@ CASES: list[Case] = [
          ["beta:", f"T is {T + 2} here but {T} in k"]),
     Case("kkt/output_dtype_int", lambda d: chunk_scaled_dot_kkt_fwd(
         t(d, B, T, H, K), output_dtype=torch.int32), TypeError, ["output_dtype", "int32"]),
+    Case("kkt/empty_batch", lambda d: chunk_scaled_dot_kkt_fwd(t(d, 0, T, H, K)), ValueError,
+         ["k:", "batch size B >= 1", "B = 0"]),
     Case("cumsum/chunk_size_3", lambda d: chunk_local_cumsum(gate(d), 3), ValueError,
          ["chunk_size:", "power of two", "3"]),
     Case("cumsum/g_rank2", lambda d: chunk_local_cumsum(t(d, B, T), 64), ValueError,
          ["g:", "[B, T, H]", "(2, 8)"]),
+    Case("cumsum/T_0", lambda d: chunk_local_cumsum(gate(d, tt=0), 64), ValueError,
+         ["g:", "sequence length T >= 1", "T = 0"]),
     Case("cumsum/cu_seqlens_with_batch_2", lambda d: chunk_local_cumsum(
         gate(d), 64, cu_seqlens=idx(d, [0, 3, T])), ValueError, ["cu_seqlens:", "B = 2"]),
     Case("solve_tril/chunk_48", lambda d: solve_tril(t(d, B, T, H, 48)), ValueError,
@@ -410,6 +427,8 @@ CASES: list[Case] = [
          ["seqlen_offset:", ">= 0", "-1"]),
     Case("rotary/T_0", lambda d: rotary(d, q=t(d, B, 0, H, K), k=t(d, B, 0, H, K)), ValueError,
          ["T >= 1", "T = 0"]),
+    Case("rotary/zero_heads", lambda d: rotary(d, k=t(d, B, T, 0, K)), ValueError,
+         ["k:", "number of heads HK >= 1", "HK = 0"]),
     Case("rotary/cu_seqlens_not_ending_at_T", lambda d: rotary(
         d, q=t(d, 1, T, H, K), k=t(d, 1, T, H, K), cu_seqlens=idx(d, [0, 2, 5])), ValueError,
          ["cu_seqlens:", f"T = {T}", "got 5"]),
@@ -420,6 +439,7 @@ CASES: list[Case] = [
          ["cache:", "[N, D, W]", "[2, 32, 4]", "(2, 32, 3)"]),
     Case("conv/empty_batch", lambda d: conv(d, x=t(d, 0, T, 32)), ValueError,
          ["B >= 1", "B = 0"]),
+    Case("conv/T_0", lambda d: conv(d, x=t(d, B, 0, 32)), ValueError, ["x:", "T >= 1", "T = 0"]),
     Case("l2norm/x_int", lambda d: M.l2_norm(torch.ones(4, 32, dtype=torch.int32, device=d)),
          TypeError, ["x:", "float32", "got int32"]),
     Case("l2norm/output_dtype_float64", lambda d: M.l2_norm(t(d, 4, 32), output_dtype=F64),
@@ -470,3 +490,197 @@ def _expect_refusal(case: Case, device) -> None:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_bad_call_is_refused_before_any_kernel(case):
     _expect_refusal(case, "cpu")
+
+
+# ----------------------------------------------------------------------- good calls
+# One good call per family, the counterpart of the bad ones: on the GPU they run after
+# every bad call, in the same process, and must succeed.
+GOOD: dict[str, Callable[[str], object]] = {
+    "chunk_gated_delta_rule": lambda d: gdr(d, output_final_state=True),
+    "fused_recurrent_gated_delta_rule": lambda d: gdr(d, fn=_fr, output_final_state=True),
+    "chunk_gated_delta_rule/varlen": lambda d: _cg(**packed(d), cu_seqlens=idx(d, [0, 3, T])),
+    "chunk_delta_rule": lambda d: chunk_delta_rule(*qkv(d), beta=beta_(d)),
+    "chunk_simple_gla": lambda d: sgla(d, g_gamma=-torch.rand(H, device=d)),
+    "fused_recurrent_retention": lambda d: fused_recurrent_retention(*qkv(d)),
+    "mamba_chunk_scan_combined": lambda d: ssd(d, D=t(d, MH), z=t(d, MB, MT, MH, MP)),
+    "selective_state_update": lambda d: ssu(d, dt_softplus=True),
+    "chunk_gated_delta_rule_fwd_h": lambda d: fwd_h(d),
+    "chunk_scaled_dot_kkt_fwd": lambda d: chunk_scaled_dot_kkt_fwd(t(d, B, T, H, K),
+                                                                   beta=beta_(d)),
+    "chunk_local_cumsum": lambda d: chunk_local_cumsum(gate(d), 64),
+    "solve_tril": lambda d: solve_tril(torch.tril(t(d, B, T, H, 16) * 0.1, -1)),
+    "RMSNorm": lambda d: M.RMSNorm(32).to(d)(t(d, 4, 32)),
+    "FusedRMSNormGated": lambda d: M.FusedRMSNormGated(32).to(d)(t(d, 4, 32), t(d, 4, 32)),
+    "RotaryEmbedding": lambda d: rotary(d),
+    "ShortConvolution": lambda d: conv(d),
+    "l2_norm": lambda d: M.l2_norm(t(d, 4, 32)),
+    "GatedMLP": lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(t(d, 4, 32)),
+    "FusedCrossEntropyLoss": lambda d: ce(d),
+    "FusedLinearCrossEntropyLoss": lambda d: flce(d),
+}
+
+
+def _finite(out) -> bool:
+    tensors = [x for x in (out if isinstance(out, tuple) else (out,)) if x is not None]
+    return all(bool(torch.isfinite(x).all()) for x in tensors)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", list(GOOD))
+def test_good_call_runs(name, device):
+    """The good calls are good (else the GPU test below would fail for the wrong reason)."""
+    assert _finite(GOOD[name](device))
+
+
+@pytest.mark.gpu
+def test_gpu_bad_calls_leave_cuda_usable():
+    """Every bad call with CUDA tensors, then a good call of every family, in one
+    process: the bad calls are refused on the host, so the context stays healthy.
+
+    Run on a GPU machine: ``python -m pytest -q tests/test_bad_inputs.py -m gpu``.
+    """
+    for case in CASES:
+        _expect_refusal(case, "cuda")
+    torch.cuda.synchronize()
+    for name, call in GOOD.items():
+        assert _finite(call("cuda")), name
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------- empty row batches
+# Row-wise modules (each token on its own) accept zero rows and return an empty result,
+# as torch.nn's norms and Linear do; the token-mixing ops refuse T = 0 and B = 0 (cases
+# above), and so do the losses (a mean over no rows).
+EMPTY_ROWS = {
+    "RMSNorm": lambda d: M.RMSNorm(32).to(d)(t(d, 0, 32)),
+    "LayerNorm": lambda d: M.LayerNorm(32).to(d)(t(d, 2, 0, 32)),
+    "FusedRMSNormGated": lambda d: M.FusedRMSNormGated(32).to(d)(t(d, 0, 32), t(d, 0, 32)),
+    "l2_norm": lambda d: M.l2_norm(t(d, 0, 32)),
+    "GatedMLP": lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(t(d, 0, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_ROWS))
+def test_row_wise_modules_map_zero_rows_to_zero_rows(name, device):
+    out = EMPTY_ROWS[name](device)
+    assert out.numel() == 0 and out.shape[-1] == 32
+
+
+# -------------------------------------------------------------------- non-contiguous
+def transposed_view(x: torch.Tensor) -> torch.Tensor:
+    """Same values, last two axes swapped in memory: a non-contiguous view."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _padding(x: torch.Tensor) -> torch.Tensor:
+    """What the unused half of a strided buffer holds: NaN (a kernel that ignores the
+    stride reads NaN); for class ids, 0 (a valid id, read at the wrong place)."""
+    return torch.full_like(x, float("nan") if x.is_floating_point() else 0)
+
+
+def strided_slice(x: torch.Tensor) -> torch.Tensor:
+    """Same values, every other element of a padded buffer."""
+    pad = _padding(x)
+    return torch.stack([x, pad], dim=-1)[..., 0]
+
+
+def batch_stride_view(x: torch.Tensor) -> torch.Tensor:
+    """Same values, the first axis strided over a NaN-padded buffer (a slice of a
+    larger cache, e.g. ``buffer[::2]``)."""
+    pad = _padding(x)
+    return torch.stack([x, pad], dim=1).flatten(0, 1)[::2]
+
+
+@dataclass(frozen=True)
+class Strided:
+    """``run(**make(d))`` must give the same result when any of ``args`` is replaced by a
+    non-contiguous view of the same values (or be refused naming the argument)."""
+
+    name: str
+    make: Callable[[str], dict]
+    run: Callable[..., object]
+    args: Sequence[str]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _ssu_run(**kw):
+    state = kw.pop("state")
+    y = selective_state_update(state, **kw)
+    return y, state
+
+
+STRIDED = [
+    Strided("chunk_gated_delta_rule", lambda d: dict(zip("qkv", qkv(d)), g=gate(d), beta=beta_(d),
+                                                     initial_state=t(d, B, H, K, V)),
+            lambda **kw: _cg(**kw, output_final_state=True), ["q", "v", "g", "initial_state"]),
+    Strided("fused_recurrent_gated_delta_rule",
+            lambda d: dict(zip("qkv", qkv(d)), g=gate(d), beta=beta_(d)),
+            lambda **kw: _fr(**kw, output_final_state=True), ["k", "beta"]),
+    Strided("chunk_simple_gla", lambda d: dict(zip("qkv", qkv(d)), g=gate(d)),
+            lambda **kw: chunk_simple_gla(**kw, output_final_state=True), ["k", "g"]),
+    Strided("mamba_chunk_scan_combined",
+            lambda d: dict(x=t(d, MB, MT, MH, MP), dt=torch.rand(MB, MT, MH, device=d),
+                           A=-torch.rand(MH, device=d), B=t(d, MB, MT, MG, MN),
+                           C=t(d, MB, MT, MG, MN), z=t(d, MB, MT, MH, MP)),
+            lambda **kw: mamba_chunk_scan_combined(**kw, chunk_size=64), ["x", "C", "z"]),
+    Strided("selective_state_update",
+            lambda d: dict(state=t(d, MB, MH, MP, MN), x=t(d, MB, MH, MP),
+                           dt=torch.rand(MB, MH, device=d), A=-torch.rand(MH, device=d),
+                           B=t(d, MB, MG, MN), C=t(d, MB, MG, MN)),
+            _ssu_run, ["state", "x", "B"]),
+    Strided("chunk_local_cumsum", lambda d: dict(g=gate(d)),
+            lambda **kw: chunk_local_cumsum(**kw, chunk_size=64), ["g"]),
+    Strided("solve_tril", lambda d: dict(A=torch.tril(t(d, B, T, H, 16) * 0.1, -1)),
+            lambda **kw: solve_tril(**kw), ["A"]),
+    Strided("RMSNorm", lambda d: dict(x=t(d, 4, 6, 32)),
+            lambda **kw: M.rms_norm(kw["x"], torch.ones(32, device=kw["x"].device), None),
+            ["x"]),
+    Strided("FusedRMSNormGated", lambda d: dict(x=t(d, 6, 32), g=t(d, 6, 32)),
+            lambda **kw: M.rms_norm_gated(kw["x"], kw["g"], torch.ones(32, device=kw["x"].device),
+                                          None), ["x", "g"]),
+    Strided("RotaryEmbedding", lambda d: dict(zip("qk", qkv(d)[:2])),
+            lambda **kw: M.RotaryEmbedding(K)(**kw), ["q", "k"]),
+    Strided("ShortConvolution", lambda d: dict(x=t(d, B, T, 32)),
+            lambda **kw: torch.manual_seed(0) and M.ShortConvolution(32, 4).to(
+                kw["x"].device)(**kw)[0], ["x"]),
+    Strided("l2_norm", lambda d: dict(x=t(d, 6, 32)), lambda **kw: M.l2_norm(**kw), ["x"]),
+    Strided("FusedCrossEntropyLoss", lambda d: dict(logits=t(d, 6, 50), target=idx(d, [1, 2, 3, 4, 5, 6])),
+            lambda **kw: M.cross_entropy_loss(**kw, reduction="none"), ["logits", "target"]),
+    Strided("FusedLinearCrossEntropyLoss",
+            lambda d: dict(x=t(d, 6, 32), target=idx(d, [1, 2, 3, 4, 5, 6]), weight=t(d, 50, 32)),
+            lambda **kw: M.fused_linear_cross_entropy(**kw, reduction="none"), ["x", "weight"]),
+]
+VIEWS = {"transposed": transposed_view, "strided": strided_slice, "batch_stride": batch_stride_view}
+
+
+def _as_tuple(out):
+    return tuple(x for x in (out if isinstance(out, tuple) else (out,)) if x is not None)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("case", STRIDED, ids=str)
+def test_non_contiguous_inputs_give_the_contiguous_result(case, view, device):
+    inputs = case.make(device)
+    expected = _as_tuple(case.run(**{n: x.clone() for n, x in inputs.items()}))
+    for arg in case.args:
+        x = inputs[arg]
+        if view == "transposed" and (x.dim() < 2 or 1 in x.shape[-2:]):
+            continue
+        bad = VIEWS[view](x)
+        assert not bad.is_contiguous() and torch.equal(bad, x)
+        args = {n: (bad if n == arg else y.clone()) for n, y in inputs.items()}
+        try:
+            got = _as_tuple(case.run(**args))
+        except (ValueError, TypeError) as error:  # refused: must say which argument
+            assert str(error).startswith(arg) and "contiguous" in str(error), str(error)
+            continue
+        assert len(got) == len(expected)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            # Not bitwise: PyTorch's CPU elementwise ops (Mamba2's z gate) take a scalar
+            # loop on strided tensors and a vector loop on contiguous ones, an ulp apart.
+            # A stride read wrongly gives NaN (the padding) or values off by O(1).
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                       msg=lambda m: f"{case.name}, {view} {arg}, out {i}: {m}")

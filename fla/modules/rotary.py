@@ -457,7 +457,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"k: head dim {k.shape[-1]} differs from the head dim {D} of "
                              f"q; rotary needs q and k of one head width")
         check_shape("k", k, "B T HK D", dims)
-        check_positive_length(dims)
+        check_positive_length(dims, "B T H HK")
         check_time_major("q", q, False)
         check_time_major("k", k, False)
         check_same_device(q=q, k=k)

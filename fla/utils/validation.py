@@ -102,11 +102,19 @@ def check_shape(name: str, x: torch.Tensor, layout: str, dims: Dims) -> None:
                 f"{letter} is {size} here but {dims[letter]} in {dims.source[letter]}")
 
 
-def check_positive_length(dims: Dims, letters: str = "B T") -> None:
-    """Empty batches and empty sequences are refused (no kernel handles a 0-size grid)."""
+# What each dimension letter counts, for the messages of check_positive_length.
+_DIM_NAMES = {"B": "batch size", "b": "batch size", "T": "sequence length",
+              "H": "number of heads", "HV": "number of value heads", "HK": "number of heads",
+              "G": "number of groups", "N": "number of sequences", "S": "gate width"}
+
+
+def check_positive_length(dims: Dims, letters: str = "B T H HV") -> None:
+    """Empty batches, empty sequences and zero heads are refused: no kernel handles a
+    0-size grid, and a head count of 0 would reach a division (HV // H) first. Letters
+    not bound in ``dims`` are skipped."""
     for letter in letters.split():
         if letter in dims and dims[letter] <= 0:
-            what = {"B": "batch size", "T": "sequence length"}.get(letter, letter)
+            what = _DIM_NAMES.get(letter, "size")
             raise ValueError(f"{dims.source.get(letter, 'input')}: expected "
                              f"{what} {letter} >= 1, got {letter} = {dims[letter]}")
 

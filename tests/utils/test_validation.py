@@ -197,7 +197,8 @@ def test_head_dim_limits():
 
 # -------------------------------------------------------------- check_positive_length
 @pytest.mark.parametrize("shape, letter, what", [((2, 0, 3, 16), "T", "sequence length"),
-                                                 ((0, 7, 3, 16), "B", "batch size")])
+                                                 ((0, 7, 3, 16), "B", "batch size"),
+                                                 ((2, 7, 0, 16), "H", "number of heads")])
 def test_positive_length_refuses_empty(shape, letter, what):
     dims = Dims()
     check_shape("q", t(*shape), "B T H K", dims)
@@ -213,6 +214,16 @@ def test_positive_length_accepts_nonempty_and_fixed_dims():
     with pytest.raises(ValueError, match=m("the caller: expected sequence length T >= 1, "
                                            "got T = 0")):
         check_positive_length(Dims(B=1, T=0))
+
+
+def test_positive_length_checks_only_the_letters_asked_for():
+    dims = Dims(b=0, G=0, K=0)
+    check_positive_length(dims)  # none of the default letters is bound
+    check_positive_length(dims, "T")
+    with pytest.raises(ValueError, match=m("expected number of groups G >= 1, got G = 0")):
+        check_positive_length(dims, "G")
+    with pytest.raises(ValueError, match=m("expected size K >= 1, got K = 0")):
+        check_positive_length(dims, "K")
 
 
 # ------------------------------------------------------------------- check_cu_seqlens

@@ -28,6 +28,7 @@ from fla.utils.validation import (
     Dims,
     check_cu_seqlens,
     check_head_dim,
+    check_positive_length,
     check_same_device,
     check_shape,
     check_tensor,
@@ -83,9 +84,7 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     check_shape("A", A, "H", dims)
     check_shape("B", B, "b T G N", dims)
     check_shape("C", C, "b T G N", dims)
-    for letter, what in (("b", "batch size"), ("T", "sequence length")):
-        if dims[letter] < 1:
-            raise ValueError(f"x: expected {what} {letter} >= 1, got {letter} = {dims[letter]}")
+    check_positive_length(dims, "b T H G")
     check_head_dim("x", dims["P"], "P")
     check_head_dim("B", dims["N"], "N")
     if dims["H"] % dims["G"]:

@@ -38,6 +38,7 @@ from fla.utils.validation import (
     INDEX_DTYPES,
     Dims,
     check_head_dim,
+    check_positive_length,
     check_same_device,
     check_shape,
     check_tensor,
@@ -226,8 +227,7 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_ind
             continue
         check_tensor(name, t)
         _check_layout(name, t, layouts[name], dims)
-    if dims["b"] < 1:
-        raise ValueError(f"x: expected batch size b >= 1, got b = {dims['b']}")
+    check_positive_length(dims, "b H G")
     # With indices the state may hold more (or fewer) rows than the batch; without, one
     # row per batch entry.
     state_layout = ("S" if state_batch_indices is not None else "b") + (
