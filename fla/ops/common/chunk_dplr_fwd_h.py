@@ -1,0 +1,160 @@
+"""DPLR delta rule, the forward state pass with the output fused in.
+
+One program per (V tile, sequence·head) walks the sequence's chunks in order with its
+``[K, BV]`` tile of S in float32 registers. Per chunk (γ the chunk-local cumulative
+gate, recomputed here from gk; A_* from :mod:`fla.ops.common.chunk_dplr_fwd_intra`,
+Ai = (I − A_ab)⁻¹ from solve_tril)::
+
+    u  = Ai [(a ⊙ e^{γ⁻}) S + A_ak V]           (u_t = a_tᵀ S_{t-1})
+    O  = scale (q ⊙ e^{γ}) S + scale (A_qb u + A_qk V)
+    S' = e^{γ_C} ⊙ S + (b ⊙ e^{γ_C − γ})ᵀ u + (k ⊙ e^{γ_C − γ})ᵀ V
+
+Every exponent is ≤ 0. With ``SAVE`` (training) the state entering each chunk (h) and u
+are stored for the backward. All products are float32 ``tl.dot``s.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.utils.index import prepare_chunk_offsets
+from fla.ops.utils.tiles import tile_width
+from fla.utils.triton_facts import dot_precision
+from fla.utils.tuning import Config, tuned
+
+__all__ = ["chunk_dplr_fwd_h", "chunk_tokens"]
+
+
+@triton.jit
+def chunk_tokens(x, row, W: tl.constexpr, H: tl.constexpr, o_t, m_t, o_c, m_c):
+    """A [BT, len(o_c)] float32 tile of a [.., H, W] token tensor from token-row offset
+    ``row`` (int64, the head's first element of the chunk's first token)."""
+    p = x + row + o_t[:, None].to(tl.int64) * (H * W) + o_c[None, :]
+    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
+                BT: tl.constexpr):
+    """γ (inclusive), γ⁻ (exclusive) chunk-local cumulative gates [BT, BK] and γ_C."""
+    g = chunk_tokens(gk, row, K, H, o_t, m_t, o_k, m_k)
+    c = tl.cumsum(g, axis=0)
+    # Padded rows read gk = 0, so the last row holds the last valid token's γ.
+    last = tl.sum(tl.where(o_t[:, None] == BT - 1, c, 0.0), axis=0)
+    return c, c - g, last
+
+
+def _default(args) -> Config:
+    # BV >= 32: the narrowest dot tile we use (fla.utils.triton_facts.MIN_DOT_TILE).
+    BK = tile_width(args["K"], 256)
+    return Config(BV=max(32, min(64, 4096 // BK, triton.next_power_of_2(args["V"]))),
+                  num_warps=4, num_stages=1)
+
+
+def _space(args) -> list[Config]:
+    BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
+    return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
+            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (2, 4, 8) for s in (1, 2)]
+
+
+@tuned(key=["K", "V", "q", "h0", "SAVE", "PRECISION"], default=_default, space=_space)
+@triton.jit(do_not_specialize=["T"])
+def chunk_dplr_fwd_h_kernel(
+    q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, h0, ht, cu_seqlens, chunk_offsets,
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    SAVE: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        first_chunk = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    o_a = tl.arange(0, BT)
+    m_a = o_a < BT
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for i_t in range(0, NT):
+        m_t = i_t * BT + o_t < T
+        tok = bos + i_t * BT
+        rk = (tok * H + i_h) * K
+        rv = (tok * H + i_h) * V
+        ra = (tok * H + i_h) * BT
+        c, ce, last = chunk_gates(gk, rk, H, K, o_t, m_t, o_k, m_k, BT)
+        b_q = chunk_tokens(q, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(c) * scale
+        b_a = chunk_tokens(a, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(ce)
+        to_end = tl.exp(last[None, :] - c)
+        b_b = chunk_tokens(b, rk, K, H, o_t, m_t, o_k, m_k) * to_end
+        b_k = chunk_tokens(k, rk, K, H, o_t, m_t, o_k, m_k) * to_end
+        b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v)
+        b_Ai = chunk_tokens(Ai, ra, BT, H, o_t, m_t, o_a, m_a)
+        b_Aak = chunk_tokens(Aak, ra, BT, H, o_t, m_t, o_a, m_a)
+        if SAVE:
+            p_h = h + ((first_chunk + i_t) * H + i_h) * K * V + o_s
+            tl.store(p_h, b_S, mask=m_s)
+        b_z = tl.dot(b_a, b_S, input_precision=PRECISION)
+        b_z += tl.dot(b_Aak, b_v, input_precision=PRECISION)
+        b_u = tl.dot(b_Ai, b_z, input_precision=PRECISION)
+        b_Aqb = chunk_tokens(Aqb, ra, BT, H, o_t, m_t, o_a, m_a)
+        b_Aqk = chunk_tokens(Aqk, ra, BT, H, o_t, m_t, o_a, m_a)
+        b_o = tl.dot(b_q, b_S, input_precision=PRECISION)
+        b_o += scale * tl.dot(tl.where(causal, b_Aqb, 0.0), b_u, input_precision=PRECISION)
+        b_o += scale * tl.dot(tl.where(causal, b_Aqk, 0.0), b_v, input_precision=PRECISION)
+        p_o = o + rv + o_t[:, None].to(tl.int64) * (H * V) + o_v[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        if SAVE:
+            p_u = u + rv + o_t[:, None].to(tl.int64) * (H * V) + o_v[None, :]
+            tl.store(p_u, b_u, mask=m_t[:, None] & m_v[None, :])
+        b_S = b_S * tl.exp(last)[:, None]
+        b_S += tl.dot(tl.trans(b_b), b_u, input_precision=PRECISION)
+        b_S += tl.dot(tl.trans(b_k), b_v, input_precision=PRECISION)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + o_s, b_S, mask=m_s)
+
+
+def chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale, initial_state,
+                     output_final_state, cu_seqlens=None, offsets=None, N=None,
+                     save=False, chunk_size=64):
+    """Run the state pass. Returns ``(o [B, T, H, V] in v's dtype, final_state
+    [N, H, K, V] float32 or None, h [NT_total, H, K, V] float32 or None, u [B, T, H, V]
+    float32 or None)``; h (the state entering each chunk, chunks of all sequences in
+    order) and u only with ``save``."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = (B if cu_seqlens is None else cu_seqlens.numel() - 1) if N is None else N
+    if cu_seqlens is None:
+        chunk_offsets = None
+        NT_total = B * triton.cdiv(T, chunk_size)
+    else:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
+        NT_total = int(sum(-(-(e - s) // chunk_size) for s, e in zip(offsets[:-1], offsets[1:]))) \
+            if offsets is not None else int(chunk_offsets[-1])
+    f32 = dict(dtype=torch.float32, device=q.device)
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
+    h = torch.empty(NT_total, H, K, V, **f32) if save else None
+    u = torch.empty(B, T, H, V, **f32) if save else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
+    chunk_dplr_fwd_h_kernel[grid](
+        q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, initial_state, ht, cu_seqlens,
+        chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE=save,
+        IS_VARLEN=cu_seqlens is not None,
+        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
+    return o, ht, h, u

@@ -1,0 +1,79 @@
+"""The Triton chunked DPLR delta rule: the stages chained with autograd.
+
+Forward (:mod:`fla.ops.generalized_delta_rule.chunk` states the equations):
+
+    A_qk, A_qb, A_ak, −A_ab      chunk_dplr_fwd_intra   (parallel over chunks)
+    Ai = (I − A_ab)⁻¹            solve_tril             (parallel over chunks)
+    O, S', h, u                  chunk_dplr_fwd_h       (sequential over chunks)
+
+Backward, with dS' the gradient of the state leaving a chunk and dZ = Aiᵀ du (the
+adjoint of the chunk's triangular system u = Ai Z, Z = (a ⊙ e^{γ⁻}) S + A_ak V):
+
+    dS', du, dZ, dv, dh0         chunk_dplr_bwd_dhu     (sequential, reverse)
+    ∂/∂(q, k, a, b) through the decayed vectors, dA_* = (scale·dO Vᵀ, scale·dO uᵀ,
+        dZ Vᵀ, dZ uᵀ)            chunk_dplr_bwd_local   (parallel)
+    dq, dk, da, db through dA_*  chunk_dplr_bwd_intra   (parallel)
+    dgk from dq, dk, da, db      gate_grad.dplr_gate_grad (no state needed)
+"""
+from __future__ import annotations
+
+import torch
+
+from fla.ops.common.chunk_dplr_fwd_h import chunk_dplr_fwd_h
+from fla.ops.common.chunk_dplr_fwd_intra import CHUNK_SIZE, chunk_dplr_fwd_intra
+from fla.ops.generalized_delta_rule.inputs import DPLRInputs
+from fla.ops.utils.index import prepare_chunk_indices
+from fla.ops.utils.solve_tril import solve_tril_fwd
+
+
+def _intra(q, k, a, b, gk, cu_seqlens, chunk_indices, offsets):
+    Aqk, Aqb, Aak, Anab = chunk_dplr_fwd_intra(q, k, a, b, gk, cu_seqlens, chunk_indices)
+    Ai = solve_tril_fwd(Anab, cu_seqlens, torch.float32, chunk_indices, offsets)
+    return Aqk, Aqb, Aak, Ai
+
+
+class ChunkDPLRFunction(torch.autograd.Function):
+    """Autograd over the Triton stages; inputs validated, time-major, contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
+                chunk_indices, offsets, N):
+        Aqk, Aqb, Aak, Ai = _intra(q, k, a, b, gk, cu_seqlens, chunk_indices, offsets)
+        o, ht, h, u = chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale,
+                                       initial_state, output_final_state, cu_seqlens,
+                                       offsets, N, save=True, chunk_size=CHUNK_SIZE)
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
+                              cu_seqlens, chunk_indices)
+        ctx.scale, ctx.offsets, ctx.N = scale, offsets, N
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from fla.ops.generalized_delta_rule.chunk_backward import chunk_dplr_bwd
+        (q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, cu_seqlens,
+         chunk_indices) = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        grads = chunk_dplr_bwd(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
+                               do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets,
+                               ctx.N)
+        return (*grads, None, None, None, None, None, None)
+
+
+def chunk_dplr_triton(x: DPLRInputs, output_final_state: bool):
+    """Validated inputs -> time-major ``(o, final_state)`` through the Triton stages."""
+    chunk_indices = (None if x.cu_seqlens is None else
+                     prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*x.tensors(), x.initial_state))
+    if needs_grad:
+        return ChunkDPLRFunction.apply(*x.tensors(), x.initial_state, x.scale,
+                                       output_final_state, x.cu_seqlens, chunk_indices,
+                                       x.seq_offsets, x.N)
+    Aqk, Aqb, Aak, Ai = _intra(x.q, x.k, x.a, x.b, x.gk, x.cu_seqlens, chunk_indices,
+                               x.seq_offsets)
+    o, ht, _, _ = chunk_dplr_fwd_h(x.q, x.k, x.v, x.a, x.b, x.gk, Aqk, Aqb, Aak, Ai, x.scale,
+                                   x.initial_state, output_final_state, x.cu_seqlens,
+                                   x.seq_offsets, x.N, chunk_size=CHUNK_SIZE)
+    return o, ht

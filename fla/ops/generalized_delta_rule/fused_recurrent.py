@@ -1,0 +1,329 @@
+"""Fused recurrent (decoding) kernels of the DPLR delta rule, forward and backward.
+
+The recurrence (ALGORITHMS.md §4), per sequence and head::
+
+    s_t = S_{t-1}ᵀ a_t                                   (V-vector)
+    S_t = diag(exp(gk_t)) S_{t-1} + b_t s_tᵀ + k_t v_tᵀ
+    o_t = scale · S_tᵀ q_t
+
+Forward: one program per (V tile, sequence·head) keeps its ``[BK, BV]`` tile of S in
+float32 registers for the whole sequence (BK covers all of K, so ``Sᵀa`` is complete
+inside the program). With training it saves s_t (float32, the size of v).
+
+Backward (exact, no state checkpoints). With D_t = ∂L/∂S_t::
+
+    D_t    += scale · q_t do_tᵀ
+    ds_t    = D_tᵀ b_t ;  db_t = D_t s_t ;  dk_t = D_t v_t ;  dv_t = D_tᵀ k_t
+    D_{t-1} = diag(exp(gk_t)) D_t + a_t ds_tᵀ            (D_T = dht, dh0 = D_0)
+    da_t    = S_{t-1} ds_t ;  dq_t = scale · S_t do_t
+
+A reverse sweep gives D (and dv, db, dk, ds, dh0); a forward sweep rebuilds S_t from
+h0 (the same float operations as the forward, so the same states) for da and dq. dgk
+needs neither: :func:`fla.ops.generalized_delta_rule.gate_grad.dplr_gate_grad`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+# tl.reduce with _sum_combine is tl.sum without a @jit call (milliseconds each in the
+# interpreter); the same code on the GPU.
+from triton.language.standard import _sum_combine
+
+from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
+from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
+from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
+from fla.utils.backend import Backend, select_backend
+from fla.utils.tuning import Config, tuned
+
+
+def _block_k(K: int) -> int:
+    return triton.next_power_of_2(K)
+
+
+def _default_config(args) -> Config:
+    # About 64 float32 state elements a thread, as the gated delta rule's fused kernel
+    # (measured there on H100): BK = 64 -> BV = 32, BK = 128 -> 16, on 1-2 warps.
+    BK = args["BK"]
+    BV = min(triton.next_power_of_2(args["V"]), max(16, 2048 // BK))
+    return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
+
+
+def _config_space(args) -> list[Config]:
+    BK, Vp = args["BK"], triton.next_power_of_2(args["V"])
+    return [Config(BV=bv, num_warps=w, num_stages=s)
+            for bv in (8, 16, 32, 64) if bv <= Vp and BK * bv <= 16384
+            for w in (1, 2, 4, 8) if BK * bv // (32 * w) >= 4 for s in (1, 2)]
+
+
+def _bwd_block_v(K: int, V: int) -> int:
+    """The backward's V tile; it fixes the partial-sum layout of dq, dk, da, db, so the
+    launcher picks it (4096 state elements a tile) and tuning varies warps only."""
+    return min(triton.next_power_of_2(V), max(8, 4096 // _block_k(K)))
+
+
+def _bwd_default_config(args) -> Config:
+    return Config(num_warps=min(8, max(1, args["BK"] * args["BV"] // 512)), num_stages=1)
+
+
+def _bwd_config_space(args) -> list[Config]:
+    tile = args["BK"] * args["BV"]
+    return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
+            if tile // (32 * w) >= 4]
+
+
+@triton.jit
+def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """First token (int64 row of the packed token axis) and length of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * T
+        length = T
+    return bos, length
+
+
+@tuned(key=["K", "V", "q", "h0"], default=_default_config, space=_config_space)
+@triton.jit(do_not_specialize=["T"])
+def fused_recurrent_dplr_fwd_kernel(
+    q, k, v, a, b, gk, o, s, h0, ht, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_S: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    state = i_nh.to(tl.int64) * K * V
+
+    p_k = (bos * H + i_h) * K + o_k    # offsets into q, k, a, b, gk
+    p_v = (bos * H + i_h) * V + o_v    # offsets into v, o, s
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for _ in range(0, length):
+        b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(gk + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_s = tl.reduce(b_S * b_a[:, None], 0, _sum_combine)
+        if SAVE_S:
+            tl.store(s + p_v, b_s, mask=m_v)
+        b_S = b_S * tl.exp(b_g)[:, None] + b_b[:, None] * b_s[None, :] + b_k[:, None] * b_v[None, :]
+        b_o = tl.reduce(b_S * b_q[:, None], 0, _sum_combine)
+        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        p_k += H * K
+        p_v += H * V
+    if STORE_HT:
+        tl.store(ht + state + o_s, b_S, mask=m_s)
+
+
+@tuned(key=["K", "V", "BV", "q", "h0"], default=_bwd_default_config, space=_bwd_config_space)
+@triton.jit(do_not_specialize=["T"])
+def fused_recurrent_dplr_bwd_kernel(
+    q, k, v, a, b, gk, s, h0, do, dht, dq, dk, dv, da, db, ds, dh0, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    # Partial sums over V tiles (dq, dk, da, db) are laid out [tokens, H, NV, K].
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    state = i_nh.to(tl.int64) * K * V
+
+    # ---- reverse sweep: D from dht back to dh0
+    last = bos + length - 1
+    p_k = (last * H + i_h) * K + o_k
+    p_v = (last * H + i_h) * V + o_v
+    p_p = ((last * H + i_h) * NV + i_v) * K + o_k     # partial-sum rows
+    b_D = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_D += tl.load(dht + state + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for _ in range(0, length):
+        b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(gk + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_s = tl.load(s + p_v, mask=m_v, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_D += b_q[:, None] * b_do[None, :]
+        b_ds = tl.reduce(b_D * b_b[:, None], 0, _sum_combine)
+        tl.store(ds + p_v, b_ds, mask=m_v)
+        tl.store(db + p_p, tl.reduce(b_D * b_s[None, :], 1, _sum_combine), mask=m_k)
+        tl.store(dk + p_p, tl.reduce(b_D * b_v[None, :], 1, _sum_combine), mask=m_k)
+        b_dv = tl.reduce(b_D * b_k[:, None], 0, _sum_combine)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+        b_D = b_D * tl.exp(b_g)[:, None] + b_a[:, None] * b_ds[None, :]
+        p_k -= H * K
+        p_v -= H * V
+        p_p -= H * NV * K
+    if STORE_DH0:
+        tl.store(dh0 + state + o_s, b_D, mask=m_s)
+
+    # The forward sweep reads ds written above by other threads of this program.
+    tl.debug_barrier()
+
+    # ---- forward sweep: rebuild S_t from h0
+    p_k = (bos * H + i_h) * K + o_k
+    p_v = (bos * H + i_h) * V + o_v
+    p_p = ((bos * H + i_h) * NV + i_v) * K + o_k
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for _ in range(0, length):
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(gk + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_ds = tl.load(ds + p_v, mask=m_v, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+        tl.store(da + p_p, tl.reduce(b_S * b_ds[None, :], 1, _sum_combine), mask=m_k)
+        b_s = tl.reduce(b_S * b_a[:, None], 0, _sum_combine)
+        b_S = b_S * tl.exp(b_g)[:, None] + b_b[:, None] * b_s[None, :] + b_k[:, None] * b_v[None, :]
+        tl.store(dq + p_p, tl.reduce(b_S * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
+        p_k += H * K
+        p_v += H * V
+        p_p += H * NV * K
+
+
+def fused_recurrent_dplr_fwd(q, k, v, a, b, gk, scale, initial_state, output_final_state,
+                             cu_seqlens=None, N=None, save_s=False):
+    """Launch the forward on validated, contiguous, time-major inputs. Returns
+    ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None,
+    s [B, T, H, V] float32 (s_t = S_{t-1}ᵀ a_t) or None)``."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = (B if cu_seqlens is None else cu_seqlens.numel() - 1) if N is None else N
+    o = torch.empty_like(v)
+    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    s = torch.empty(v.shape, dtype=torch.float32, device=v.device) if save_s else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
+    fused_recurrent_dplr_fwd_kernel[grid](
+        q, k, v, a, b, gk, o, s, initial_state, ht, cu_seqlens, scale, T,
+        H=H, K=K, V=V, BK=_block_k(K), USE_H0=initial_state is not None,
+        STORE_HT=output_final_state, SAVE_S=save_s, IS_VARLEN=cu_seqlens is not None)
+    return o, ht, s
+
+
+def fused_recurrent_dplr_bwd(q, k, v, a, b, gk, s, scale, initial_state, do, dht, ht,
+                             cu_seqlens=None, N=None, need_dh0=True):
+    """Gradients ``(dq, dk, dv, da, db, dgk, dh0)`` in the dtypes of the inputs
+    (dh0 None without an initial state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = (B if cu_seqlens is None else cu_seqlens.numel() - 1) if N is None else N
+    BK, BV = _block_k(K), _bwd_block_v(K, V)
+    NV = triton.cdiv(V, BV)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq, dk, da, db = (torch.empty(B, T, H, NV, K, **f32) for _ in range(4))
+    dv = torch.empty_like(v)
+    ds = torch.empty(B, T, H, V, **f32)
+    store_dh0 = initial_state is not None and need_dh0
+    dh0 = torch.empty(N, H, K, V, **f32) if store_dh0 else None
+    fused_recurrent_dplr_bwd_kernel[(NV, N * H)](
+        q, k, v, a, b, gk, s, initial_state, do, dht, dq, dk, dv, da, db, ds, dh0,
+        cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=store_dh0,
+        IS_VARLEN=cu_seqlens is not None)
+    dq, dk, da, db = (x.sum(3) for x in (dq, dk, da, db))
+    dgk = dplr_gate_grad(q, k, a, b, dq, dk, da, db, dht, ht, cu_seqlens, gk.dtype)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv, da.to(a.dtype), db.to(b.dtype), dgk, dh0)
+
+
+class FusedRecurrentDPLRFunction(torch.autograd.Function):
+    """Autograd over the fused kernels (inputs validated, time-major, contiguous)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens, N):
+        o, ht, s = fused_recurrent_dplr_fwd(q, k, v, a, b, gk, scale, initial_state,
+                                            output_final_state, cu_seqlens, N, save_s=True)
+        ctx.save_for_backward(q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens)
+        ctx.scale, ctx.N = scale, N
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        grads = fused_recurrent_dplr_bwd(
+            q, k, v, a, b, gk, s, ctx.scale, initial_state, do,
+            None if dht is None else dht.contiguous(), ht, cu_seqlens, ctx.N,
+            need_dh0=ctx.needs_input_grad[6])
+        return (*grads, None, None, None, None)
+
+
+def fused_recurrent_dplr_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    gk: torch.Tensor, scale: float | None = None, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+    head_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""The DPLR (generalized) delta rule one token at a time (decoding; also trains).
+
+    For every sequence n and head h, from ``S_0 = initial_state[n, h]`` (zeros if None)::
+
+        S_t = diag(exp(gk_t)) · S_{t-1} + b_t ⊗ (a_tᵀ S_{t-1}) + k_t ⊗ v_t
+        o_t = scale · S_tᵀ q_t
+
+    The rank-one term is ``b_t (a_tᵀ S_{t-1})``: a reads the state, b writes. The delta
+    rule ``S_t = (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` is ``a = −β k, b = k,
+    gk = 0`` with ``v ← β v``; the gated delta rule adds ``gk = g`` and ``a = −β e^{g} k``.
+
+    Args:
+        q, k, a, b: ``[B, T, H, K]`` (``[B, H, T, K]`` with ``head_first=True``), K ≤ 256.
+        v: ``[B, T, H, V]``, V ≤ 256.
+        gk: ``[B, T, H, K]`` natural-log decay (≤ 0) of the state's K rows.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` (float32 preferred); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the last state.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        head_first: inputs (and o) are ``[B, H, T, ...]``.
+
+    Returns:
+        ``(o, final_state)``: o like v (v's dtype); final_state float32 ``[N, H, K, V]``
+        or None. Differentiable in q, k, v, a, b, gk and initial_state.
+
+    CUDA tensors run the Triton kernels; CPU tensors a PyTorch loop (or the kernels in
+    the interpreter with ``TRITON_INTERPRET=1``).
+    """
+    x = prepare_dplr_inputs(q, k, v, a, b, gk, scale, initial_state, cu_seqlens, head_first)
+    o, final_state = fused_recurrent_dplr_on_inputs(x, output_final_state)
+    if head_first:
+        o = o.transpose(1, 2)
+    return o, final_state
+
+
+def fused_recurrent_dplr_on_inputs(x: DPLRInputs, output_final_state: bool):
+    """Validated inputs (:func:`prepare_dplr_inputs`) -> time-major ``(o, final_state)``."""
+    if select_backend(*x.tensors(), x.initial_state) is Backend.TORCH:
+        return recurrent_dplr_torch(*x.tensors(), x.scale, x.initial_state,
+                                    output_final_state, x.seq_offsets)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (*x.tensors(), x.initial_state)):
+        return FusedRecurrentDPLRFunction.apply(*x.tensors(), x.initial_state, x.scale,
+                                                output_final_state, x.cu_seqlens, x.N)
+    o, final_state, _ = fused_recurrent_dplr_fwd(*x.tensors(), x.scale, x.initial_state,
+                                                 output_final_state, x.cu_seqlens, x.N)
+    return o, final_state
