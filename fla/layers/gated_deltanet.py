@@ -1,0 +1,137 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"): DeltaNet's
+delta rule with a data-dependent decay ``g = −exp(A_log) · softplus(a_proj(x) + dt_bias)``
+(Mamba2's parameterisation), short convolutions on q, k, v, L2-normalised q and k, and the
+output ``RMSNorm(o) ⊙ swish(g_proj(x))`` per head."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fla.layers.utils import (
+    cached_state,
+    check_heads,
+    check_layer_inputs,
+    check_mode,
+    decode_mode,
+    init_time_step_bias,
+    mask_tokens,
+    short_convs,
+    token_mask,
+)
+from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer.
+
+    Args:
+        hidden_size: model width d.
+        head_dim: K, the q/k width of a head; values are ``V = head_dim · expand_v`` wide.
+        num_heads: H, the q/k heads; ``num_v_heads`` (default H, a multiple of H) value
+            heads share them in groups (each with its own β and decay).
+        mode: ``'chunk'`` or ``'fused_recurrent'`` (single-token steps always recurrent).
+        use_gate: ``RMSNorm(o) ⊙ swish(g_proj(x))`` (else ``RMSNorm(o)``).
+        use_short_conv, conv_size, conv_bias: SiLU short convolutions on q, k, v.
+        allow_neg_eigval: β ∈ (0, 2) instead of (0, 1).
+        layer_idx: this layer's index in the cache.
+
+    ``forward`` as :class:`fla.layers.DeltaNet`.
+    """
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256,
+                 num_heads: int = 6, num_v_heads: int | None = None, mode: str = "chunk",
+                 use_gate: bool = True, use_short_conv: bool = True, conv_size: int = 4,
+                 conv_bias: bool = False, allow_neg_eigval: bool = False,
+                 norm_eps: float = 1e-5, layer_idx: int | None = None, **kwargs):
+        super().__init__()
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+        if isinstance(num_v_heads, bool) or not isinstance(num_v_heads, int) or \
+                num_v_heads < 1 or num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads: expected a positive multiple of num_heads = "
+                             f"{num_heads}, got {num_v_heads!r}")
+        self.hidden_size = hidden_size
+        self.mode = check_mode(mode)
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads
+        self.head_k_dim = head_dim
+        self.head_v_dim = int(head_dim * expand_v)
+        self.key_dim = num_heads * self.head_k_dim
+        self.value_dim = num_v_heads * self.head_v_dim
+        check_heads(hidden_size, num_heads, self.key_dim, self.value_dim)
+        self.use_gate, self.use_short_conv = use_gate, use_short_conv
+        self.conv_size, self.allow_neg_eigval = conv_size, allow_neg_eigval
+        self.layer_idx = layer_idx
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+        # Decay rates A ~ U(0, 16) and time steps log-uniform in [1e-3, 0.1] (Mamba2).
+        self.A_log = nn.Parameter(torch.log(torch.rand(num_v_heads) * 16 + 1e-4))
+        self.dt_bias = nn.Parameter(init_time_step_bias(num_v_heads))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias,
+                                             activation="silu")
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias,
+                                             activation="silu")
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias,
+                                             activation="silu")
+        if use_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.o_norm = FusedRMSNormGated(self.head_v_dim, eps=norm_eps)
+        else:
+            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool = False, output_attentions: bool = False,
+                cu_seqlens: torch.Tensor | None = None, **kwargs):
+        check_layer_inputs(hidden_states, self.hidden_size, attention_mask, cu_seqlens)
+        B, T, _ = hidden_states.shape
+        mode = decode_mode(self.mode, T)
+        mask = token_mask(attention_mask, T)
+        state = cached_state(past_key_values, self.layer_idx)
+
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        conv_state = None
+        if self.use_short_conv:
+            (q, k, v), conv_state = short_convs(
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
+                None if state is None else state["conv_state"], use_cache, mask, cu_seqlens)
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = q.view(B, T, self.num_heads, self.head_k_dim)
+        k = k.view(B, T, self.num_heads, self.head_k_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        beta = self.b_proj(hidden_states).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2
+        # Log decay in float32: its chunk sums are the exponents of every decay.
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(hidden_states).float()
+                                                   + self.dt_bias.float())
+        # Padding: no write and no decay (β = 0, g = 0, k = v = 0) keeps the state exactly.
+        k, v = mask_tokens(k, mask), mask_tokens(v, mask)
+        beta, g = mask_tokens(beta, mask), mask_tokens(g, mask)
+
+        op = chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule
+        o, recurrent_state = op(
+            q, k, v, g=g, beta=beta,
+            initial_state=None if state is None else state["recurrent_state"],
+            output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        if past_key_values is not None and use_cache:
+            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
+                                   conv_state=conv_state, offset=T)
+        if self.use_gate:
+            o = self.o_norm(o, self.g_proj(hidden_states).view(B, T, self.num_v_heads,
+                                                               self.head_v_dim))
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(B, T, self.value_dim)), None, past_key_values

@@ -1,0 +1,142 @@
+"""Helpers shared by the token-mixing layers: checks of the common forward arguments,
+padding masks, rotary offsets of left-padded rows, the decoding-mode switch and the
+cache hand-off.
+
+Padding. A 2-D ``attention_mask [B, L]`` (1 = token, 0 = padding; L ≥ T, the last T
+columns belong to this call's tokens) marks positions that must not exist for the
+recurrence. Layers make them absent exactly rather than approximately: the inputs of the
+short convolutions are zeroed there (so a real token's window sees zeros before its
+sequence starts, as it would alone with an empty history), and the recurrence's write is
+switched off (k = v = 0, β = 0, log decay g = 0, Mamba's dt = 0), which leaves the state
+bit-for-bit unchanged. Outputs at padded positions are meaningless.
+"""
+from __future__ import annotations
+
+import torch
+
+MODES = ("chunk", "fused_recurrent")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    return mode
+
+
+def decode_mode(mode: str, T: int) -> str:
+    """The recurrent kernel for single-token steps (decoding), ``mode`` otherwise."""
+    return "fused_recurrent" if T == 1 else mode
+
+
+def check_heads(hidden_size: int, num_heads: int, key_dim: int, value_dim: int) -> None:
+    """Widths a multi-head layer can split: positive, and key/value widths divisible by
+    the number of heads."""
+    for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
+        if value < 1 or value % num_heads:
+            raise ValueError(f"{name} = {value} (from hidden_size = {hidden_size} and the "
+                             f"expansion) is not divisible by num_heads = {num_heads}")
+
+
+def check_layer_inputs(hidden_states: torch.Tensor, hidden_size: int,
+                       attention_mask: torch.Tensor | None,
+                       cu_seqlens: torch.Tensor | None = None) -> None:
+    """``hidden_states [B, T, hidden_size]``; ``attention_mask [B, L ≥ T]`` (2-D, padding
+    only); not both a mask and ``cu_seqlens``. Raises ``ValueError`` naming the argument."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise ValueError(f"hidden_states: expected a [B, T, {hidden_size}] tensor, got "
+                         f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+    B, T, D = hidden_states.shape
+    if D != hidden_size:
+        raise ValueError(f"hidden_states: expected last dim hidden_size = {hidden_size}, got "
+                         f"shape {tuple(hidden_states.shape)}")
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, B, T)
+        if cu_seqlens is not None:
+            raise ValueError("attention_mask and cu_seqlens: give one of them (packed "
+                             "sequences have no padding)")
+
+
+def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> None:
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a tensor, got "
+                        f"{type(attention_mask).__name__}")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"attention_mask: expected a 2-D padding mask [batch, length] = [{B}, L >= {T}] "
+            f"(1 for tokens, 0 for padding; the last {T} columns are this call's tokens), "
+            f"got shape {tuple(attention_mask.shape)}")
+
+
+def token_mask(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """``[B, T]`` bool: which of this call's tokens are real (None: all of them)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -T:].bool()
+
+
+def mask_tokens(x: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Zero ``x [B, T, ...]`` where ``mask [B, T]`` is False."""
+    if x is None or mask is None:
+        return x
+    return x * mask.view(*mask.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+def position_offsets(attention_mask: torch.Tensor | None, seen: int) -> int | torch.Tensor:
+    """Rotary position of this call's first token, per row: ``seen`` minus the row's
+    padding (its first real token is position 0, as it would be alone). ``attention_mask``
+    must then cover every position seen so far (``generate()`` passes it so)."""
+    if attention_mask is None:
+        return seen
+    return seen - (attention_mask == 0).sum(-1)
+
+
+def cached_state(past_key_values, layer_idx: int | None) -> dict | None:
+    """Layer ``layer_idx``'s dict in the cache, or None."""
+    if past_key_values is None or layer_idx is None:
+        return None
+    return past_key_values[layer_idx]
+
+
+def seen_tokens(past_key_values, layer_idx: int | None) -> int:
+    if past_key_values is None or layer_idx is None:
+        return 0
+    return past_key_values.get_seq_length(layer_idx)
+
+
+def short_conv(conv, x: torch.Tensor, cache: torch.Tensor | None, use_cache: bool,
+               mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
+    """Run a :class:`fla.modules.ShortConvolution` on ``x [B, T, D]`` with its padded
+    positions zeroed first; returns ``(y, new_cache or None)``."""
+    return conv(mask_tokens(x, mask), cache=cache, output_final_state=use_cache,
+                cu_seqlens=cu_seqlens)
+
+
+def short_convs(convs, xs, conv_state, use_cache: bool, mask: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None):
+    """:func:`short_conv` over matching lists ``convs`` and ``xs`` (e.g. q, k, v), with
+    ``conv_state`` the tuple of their caches (or None). Returns ``(ys, new_state)``;
+    new_state is a tuple, or None unless ``use_cache``."""
+    ys, states = [], []
+    for i, (conv, x) in enumerate(zip(convs, xs)):
+        y, s = short_conv(conv, x, None if conv_state is None else conv_state[i], use_cache,
+                          mask, cu_seqlens)
+        ys.append(y)
+        states.append(s)
+    return ys, (tuple(states) if use_cache else None)
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    """y with softplus(y) = x (x > 0), for initialising time-step biases."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def init_time_step_bias(n: int, dt_min: float = 0.001, dt_max: float = 0.1,
+                        dt_floor: float = 1e-4) -> torch.Tensor:
+    """``[n]`` biases whose softplus is log-uniform in [dt_min, dt_max] (Mamba's init)."""
+    dt = torch.exp(torch.rand(n) * (torch.log(torch.tensor(dt_max)) -
+                                    torch.log(torch.tensor(dt_min))) +
+                   torch.log(torch.tensor(dt_min)))
+    return inverse_softplus(dt.clamp(min=dt_floor))
