@@ -1,0 +1,136 @@
+"""DPLR delta rule, backward: what each chunk's inputs get through the state and the
+decayed vectors, and the gradients of the four score matrices.
+
+One program per (chunk, head), V walked in BV tiles. With S the state entering the
+chunk (h), dS' the gradient of the state leaving it (dh), u and dZ from the forward
+and the reverse pass (γ the chunk-local cumulative gate, γ⁻ = γ − gk)::
+
+    dq  = scale (dO Sᵀ) ⊙ e^{γ}          dk = (V dS'ᵀ) ⊙ e^{γ_C − γ}
+    da  = (dZ Sᵀ) ⊙ e^{γ⁻}               db = (u dS'ᵀ) ⊙ e^{γ_C − γ}
+    dA_qk = scale dO Vᵀ (s ≤ t)   dA_qb = scale dO uᵀ (s ≤ t)
+    dA_ak = dZ Vᵀ (s < t)         dA_ab = dZ uᵀ (s < t)
+
+(the last from u = (I − A_ab)⁻¹ Z: ∂L/∂A_ab = dZ uᵀ with dZ = Aiᵀ du). The gate's
+gradient is not formed here (``gate_grad``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.common.chunk_dplr_fwd_h import chunk_gates, chunk_tokens
+from fla.ops.utils.index import locate_sequence_chunk
+from fla.ops.utils.tiles import tile_width
+from fla.utils.triton_facts import dot_precision
+from fla.utils.tuning import Config, tuned
+
+__all__ = ["chunk_dplr_bwd_local"]
+
+
+def _default(args) -> Config:
+    return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=2)
+
+
+def _space(args) -> list[Config]:
+    widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
+    return [Config(BV=bv, num_warps=w, num_stages=s) for bv in widths for w in (4, 8)
+            for s in (1, 2)]
+
+
+@triton.jit
+def _load_state(x, row, V: tl.constexpr, o_k, m_k, o_v, m_v):
+    p = x + row + o_k[:, None] * V + o_v[None, :]
+    return tl.load(p, mask=m_k[:, None] & m_v[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(x, row, W: tl.constexpr, H: tl.constexpr, o_t, m_t, o_c, value):
+    p = x + row + o_t[:, None].to(tl.int64) * (H * W) + o_c[None, :]
+    tl.store(p, value, mask=m_t[:, None] & (o_c[None, :] < W))
+
+
+@tuned(key=["K", "V", "q", "PRECISION"], default=_default, space=_space)
+@triton.jit(do_not_specialize=["T"])
+def chunk_dplr_bwd_local_kernel(
+    q, k, v, a, b, gk, h, dh, u, dz, do, dq, dk, da, db, dAqk, dAqb, dAak, dAab,
+    cu_seqlens, chunk_indices, chunk_offsets, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_n, i_t, bos, T = locate_sequence_chunk(i_c, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    if IS_VARLEN:
+        chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    else:
+        chunk = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = i_t * BT + o_t < T
+    m_k = o_k < K
+    tok = bos + i_t * BT
+    rk = (tok * H + i_h) * K
+    rv = (tok * H + i_h) * V
+    rs = (chunk * H + i_h) * K * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_da = tl.zeros([BT, BK], dtype=tl.float32)
+    b_db = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_S = _load_state(h, rs, V, o_k, m_k, o_v, m_v)
+        b_dS = _load_state(dh, rs, V, o_k, m_k, o_v, m_v)
+        b_do = chunk_tokens(do, rv, V, H, o_t, m_t, o_v, m_v)
+        b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v)
+        b_u = chunk_tokens(u, rv, V, H, o_t, m_t, o_v, m_v)
+        b_dz = chunk_tokens(dz, rv, V, H, o_t, m_t, o_v, m_v)
+        b_dq += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
+        b_da += tl.dot(b_dz, tl.trans(b_S), input_precision=PRECISION)
+        b_dk += tl.dot(b_v, tl.trans(b_dS), input_precision=PRECISION)
+        b_db += tl.dot(b_u, tl.trans(b_dS), input_precision=PRECISION)
+        b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
+        b_dAak += tl.dot(b_dz, tl.trans(b_v), input_precision=PRECISION)
+        b_dAab += tl.dot(b_dz, tl.trans(b_u), input_precision=PRECISION)
+
+    c, ce, last = chunk_gates(gk, rk, H, K, o_t, m_t, o_k, m_k, BT)
+    to_end = tl.exp(last[None, :] - c)
+    _store_rows(dq, rk, K, H, o_t, m_t, o_k, b_dq * tl.exp(c) * scale)
+    _store_rows(dk, rk, K, H, o_t, m_t, o_k, b_dk * to_end)
+    _store_rows(da, rk, K, H, o_t, m_t, o_k, b_da * tl.exp(ce))
+    _store_rows(db, rk, K, H, o_t, m_t, o_k, b_db * to_end)
+    ra = (tok * H + i_h) * BT
+    causal = o_t[:, None] >= o_t[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    _store_rows(dAqk, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqk * scale, 0.0))
+    _store_rows(dAqb, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqb * scale, 0.0))
+    _store_rows(dAak, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAak, 0.0))
+    _store_rows(dAab, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAab, 0.0))
+
+
+def chunk_dplr_bwd_local(q, k, v, a, b, gk, h, dh, u, dz, do, scale, cu_seqlens=None,
+                         chunk_indices=None, offsets=None, chunk_size=64):
+    """Returns ``(dq, dk, da, db)`` partial gradients ``[B, T, H, K]`` and ``(dA_qk,
+    dA_qb, dA_ak, dA_ab)`` ``[B, T, H, BT]``, all float32."""
+    from fla.ops.utils.index import prepare_chunk_offsets
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    chunk_offsets = (None if cu_seqlens is None else
+                     prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets))
+    f32 = dict(dtype=torch.float32, device=q.device)
+    grads = [torch.empty(B, T, H, K, **f32) for _ in range(4)]
+    dA = [torch.empty(B, T, H, chunk_size, **f32) for _ in range(4)]
+    chunk_dplr_bwd_local_kernel[(NT, B * H)](
+        q, k, v, a, b, gk, h, dh, u, dz, do, *grads, *dA, cu_seqlens, chunk_indices,
+        chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),
+        IS_VARLEN=cu_seqlens is not None,
+        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
+    return grads, dA
