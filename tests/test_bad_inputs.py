@@ -11,18 +11,22 @@ kernel (or a kernel launched before the check) fails the test.
 
 Decisions recorded here (and in fla/utils/validation.py):
 
-* T = 0 and an empty batch (B = 0) are refused with a ValueError naming the length, by
-  every op and module (no kernel handles an empty grid, and an "empty output plus the
-  initial state" answer would hide a bug upstream more often than serve a use).
+* T = 0, an empty batch (B = 0) and zero heads or groups are refused with a ValueError
+  naming the size, by every token-mixing op, chunk stage, rotary and the short
+  convolution (no kernel handles an empty grid, and "empty output plus the initial
+  state" would hide an upstream bug more often than serve a use); so are losses over
+  zero rows (a mean of nothing). Row-wise modules (norms, l2_norm, GatedMLP) map zero
+  rows to zero rows, as torch.nn's norms and Linear do.
 * Non-contiguous inputs (transposed views, strided slices, batch-strided slices of a
   larger buffer) are accepted and give the contiguous call's result (see ``STRIDED``):
   the ops copy them to contiguous tensors or pass their strides to the kernels.
 * Positive log-gates are not refused: checking values costs a device synchronisation
   per call, and g > 0 is a well-defined (growing) recurrence.
-* NaN in an input propagates as NaN to the outputs that depend on it, and only to them.
-* Forward outputs are bitwise identical across identical calls; so are the gradients
-  (no kernel uses atomics; on the GPU only the tuning layer's config choice, fixed
-  per process and cached, could change a result between processes).
+* NaN in an input reaches the outputs that depend on it, on the PyTorch path and the
+  Triton path; the chunked forms spread a NaN in k, v, g or beta also to the earlier
+  tokens of its chunk (see the NaN section).
+* Forward outputs and gradients are bitwise identical across identical calls: no kernel
+  accumulates with atomics and a kernel's launch configuration is fixed per process.
 """
 from __future__ import annotations
 
@@ -384,8 +388,8 @@ CASES: list[Case] = [
          ["chunk_size", "48"]),
     Case("fwd_h/initial_state_wrong_H", lambda d: fwd_h(d, initial_state=t(d, B, H + 1, K, V)),
          ValueError, ["initial_state:", f"H is {H + 1} here but {H} in k"]),
-    Case("fwd_h/g_vector_gate", lambda d: fwd_h(d, g=t(d, B, T, H, K)), ValueError,
-         ["g:", "3-D", "4-D"]),
+    Case("fwd_h/g_rank5", lambda d: fwd_h(d, g=t(d, B, T, H, K, 1)), ValueError,
+         ["g:", "5-D", f"({B}, {T}, {H}, {K}, 1)"]),
     Case("kkt/beta_wrong_T", lambda d: chunk_scaled_dot_kkt_fwd(
         t(d, B, T, H, K), beta=beta_(d, tt=T + 2)), ValueError,
          ["beta:", f"T is {T + 2} here but {T} in k"]),
@@ -684,3 +688,190 @@ def test_non_contiguous_inputs_give_the_contiguous_result(case, view, device):
             # A stride read wrongly gives NaN (the padding) or values off by O(1).
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True,
                                        msg=lambda m: f"{case.name}, {view} {arg}, out {i}: {m}")
+
+
+# ------------------------------------------------------------------ NaN propagation
+# A NaN in q at one position (sequence 0, token NAN_T, head 0) reaches exactly the output
+# of that token and head: o there is all NaN, every other output and the final state stay
+# finite. A NaN in the log gate g at that position reaches the outputs of that head from
+# that token on and its final state. No path may crash on NaN or return a finite value
+# where the maths has a NaN. Both CPU paths run: the PyTorch one (FLA_BACKEND=torch) and
+# the Triton kernels (interpreted here, compiled on a GPU).
+#
+# The chunked forms spread a NaN in k, v, g or beta a little further than the maths: to
+# the earlier tokens of its 64-token chunk too, in that head. Inside a chunk the causal
+# mask is a zero entry of a matrix product (intra-chunk attention times V, the
+# triangular solve of the delta rule), and 0 · NaN = NaN. Other heads, other sequences
+# and earlier chunks stay finite. A NaN in q does not spread (q is only ever a left
+# operand, one row per token).
+NAN_T = 3
+CHUNKED = {"chunk_gated_delta_rule", "chunk_simple_gla"}
+
+
+def _nan_at(x: torch.Tensor, where) -> torch.Tensor:
+    x = x.clone()
+    x[where] = float("nan")
+    return x
+
+
+def _recurrent_inputs(d):
+    q, k, v = qkv(d)
+    return dict(q=q, k=torch.nn.functional.normalize(k, dim=-1), v=v, g=gate(d), beta=beta_(d))
+
+
+NAN_OPS = {
+    "chunk_gated_delta_rule": lambda **kw: _cg(**kw, output_final_state=True),
+    "fused_recurrent_gated_delta_rule": lambda **kw: _fr(**kw, output_final_state=True),
+    "chunk_simple_gla": lambda beta, **kw: chunk_simple_gla(**kw, output_final_state=True),
+    "fused_recurrent_simple_gla": lambda beta, **kw: fused_recurrent_simple_gla(
+        **kw, output_final_state=True),
+}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def path(request, monkeypatch, device):
+    """The device and backend of a numerics test: the PyTorch path on CPU tensors, or
+    the Triton kernels (on the GPU if there is one, else interpreted)."""
+    if request.param == "torch":
+        monkeypatch.setenv("FLA_BACKEND", "torch")
+        return "cpu"
+    return device
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", list(NAN_OPS))
+def test_nan_in_q_reaches_only_its_output(op, path):
+    inputs = _recurrent_inputs(path)
+    inputs["q"] = _nan_at(inputs["q"], (0, NAN_T, 0, 5))
+    o, final = NAN_OPS[op](**inputs)
+    assert torch.isnan(o[0, NAN_T, 0]).all(), "the output of the NaN query is not NaN"
+    rest = torch.ones_like(o, dtype=torch.bool)
+    rest[0, NAN_T, 0] = False
+    assert torch.isfinite(o[rest]).all(), "the NaN spread to outputs that do not read it"
+    assert torch.isfinite(final).all(), "q does not enter the state, yet it is not finite"
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", list(NAN_OPS))
+def test_nan_in_g_reaches_the_later_outputs_and_the_state(op, path):
+    inputs = _recurrent_inputs(path)
+    inputs["g"] = _nan_at(inputs["g"], (0, NAN_T, 0))
+    o, final = NAN_OPS[op](**inputs)
+    assert torch.isnan(o[0, NAN_T:, 0]).all(dim=-1).all(), "an output after the NaN is finite"
+    assert torch.isnan(final[0, 0]).all(), "the final state of the NaN's head is finite"
+    if op not in CHUNKED:
+        assert torch.isfinite(o[0, :NAN_T]).all(), "the NaN reached earlier tokens"
+    assert torch.isfinite(o[1]).all() and torch.isfinite(o[0, :, 1]).all(), \
+        "the NaN reached another sequence or head"
+    assert torch.isfinite(final[1]).all() and torch.isfinite(final[0, 1]).all()
+
+
+@pytest.mark.interpret
+def test_nan_in_mamba2_inputs(path):
+    """A NaN in C (the query) reaches the outputs of that token's group only; a NaN in
+    x reaches that head and channel's outputs from the token on (and, the scan being
+    chunked, the earlier tokens of the chunk); a NaN in one entry of the decoding state
+    stays in that entry and reaches that row's output."""
+    d = path
+    x, dt, A = t(d, MB, MT, MH, MP), torch.rand(MB, MT, MH, device=d), -torch.rand(MH, device=d)
+    Bm, C = t(d, MB, MT, MG, MN), t(d, MB, MT, MG, MN)
+    heads = MH // MG  # heads 0 .. heads-1 read group 0
+    y = mamba_chunk_scan_combined(x, dt, A, Bm, _nan_at(C, (0, NAN_T, 0, 2)), 64)
+    assert torch.isnan(y[0, NAN_T, :heads]).all()
+    rest = torch.ones_like(y, dtype=torch.bool)
+    rest[0, NAN_T, :heads] = False
+    assert torch.isfinite(y[rest]).all()
+
+    y, final = mamba_chunk_scan_combined(_nan_at(x, (0, NAN_T, 1, 0)), dt, A, Bm, C, 64,
+                                         return_final_states=True)
+    assert torch.isnan(y[0, NAN_T:, 1, 0]).all()
+    rest = torch.ones_like(y, dtype=torch.bool)
+    rest[0, :, 1, 0] = False
+    assert torch.isfinite(y[rest]).all()
+    assert torch.isnan(final[0, 1, 0]).all()
+    rest = torch.ones_like(final, dtype=torch.bool)
+    rest[0, 1, 0] = False
+    assert torch.isfinite(final[rest]).all()
+
+    state = t(d, MB, MH, MP, MN)
+    state[1, 2, 3, 4] = float("nan")
+    y = selective_state_update(state, t(d, MB, MH, MP), torch.rand(MB, MH, device=d),
+                               -torch.rand(MH, device=d), t(d, MB, MG, MN), t(d, MB, MG, MN))
+    assert torch.isnan(y[1, 2, 3]) and torch.isnan(state[1, 2, 3, 4])
+    assert int(torch.isfinite(state).sum()) == state.numel() - 1  # the update is per element
+    rest = torch.ones_like(y, dtype=torch.bool)
+    rest[1, 2, 3] = False
+    assert torch.isfinite(y[rest]).all()
+
+
+@pytest.mark.interpret
+def test_nan_in_module_inputs(path):
+    """Row-wise modules: a NaN in one row gives NaN in that row only; the loss of a row
+    with a NaN logit is NaN (and so is the mean)."""
+    d = path
+    x = _nan_at(t(d, 4, 32), (2, 7))
+    for name, y in [("rms_norm", M.rms_norm(x, torch.ones(32, device=d), None)),
+                    ("l2_norm", M.l2_norm(x)),
+                    ("rotary", M.RotaryEmbedding(K)(*[_nan_at(z, (0, NAN_T, 0, 1))
+                                                      for z in qkv(d)[:2]])[0])]:
+        bad = (2,) if name != "rotary" else (0, NAN_T, 0)
+        assert torch.isnan(y[bad]).any(), name
+        rest = torch.ones_like(y, dtype=torch.bool)
+        rest[bad] = False
+        assert torch.isfinite(y[rest]).all(), name
+    loss = M.cross_entropy_loss(_nan_at(t(d, 6, 50), (4, 9)), idx(d, [1, 2, 3, 4, 5, 6]),
+                                reduction="none")
+    assert torch.isnan(loss[4]) and torch.isfinite(loss[[0, 1, 2, 3, 5]]).all()
+    y = M.ShortConvolution(32, 4).to(d)(_nan_at(t(d, B, T, 32), (0, NAN_T, 5)))[0]
+    assert torch.isnan(y[0, NAN_T:NAN_T + 4, 5]).all()  # the W = 4 taps that read it
+    assert torch.isfinite(y[0, :NAN_T]).all() and torch.isfinite(y[1]).all()
+
+
+# ---------------------------------------------------------------------- determinism
+# The same inputs give bitwise-identical outputs and gradients across calls. No kernel
+# accumulates with atomics, and the launch configuration of a kernel is fixed per
+# process (the tuning layer's default, or its cached choice), so the order of every
+# floating-point sum is fixed.
+DETERMINISM = {
+    "chunk_gated_delta_rule": (lambda d: _recurrent_inputs(d), NAN_OPS["chunk_gated_delta_rule"]),
+    "fused_recurrent_gated_delta_rule": (lambda d: _recurrent_inputs(d),
+                                         NAN_OPS["fused_recurrent_gated_delta_rule"]),
+    "chunk_simple_gla": (lambda d: dict(zip("qkv", qkv(d)), g=gate(d), beta=None),
+                         NAN_OPS["chunk_simple_gla"]),
+    "mamba_chunk_scan_combined": (
+        lambda d: dict(x=t(d, MB, MT, MH, MP), dt=torch.rand(MB, MT, MH, device=d),
+                       A=-torch.rand(MH, device=d), B=t(d, MB, MT, MG, MN),
+                       C=t(d, MB, MT, MG, MN), D=t(d, MH), z=t(d, MB, MT, MH, MP)),
+        lambda **kw: mamba_chunk_scan_combined(**kw, chunk_size=64, return_final_states=True)),
+    "ShortConvolution": (lambda d: dict(x=t(d, B, T, 32)),
+                         lambda x: torch.manual_seed(0) and M.ShortConvolution(32, 4).to(
+                             x.device)(x, output_final_state=True)),
+    "rms_norm": (lambda d: dict(x=t(d, 6, 32), weight=t(d, 32)),
+                 lambda x, weight: M.rms_norm(x, weight, None)),
+    "cross_entropy_loss": (lambda d: dict(logits=t(d, 6, 50)),
+                           lambda logits: M.cross_entropy_loss(
+                               logits, idx(logits.device, [1, 2, 3, 4, 5, 6]))),
+}
+
+
+def _forward_backward(run, inputs):
+    leaves = {n: (x.clone().requires_grad_(x.is_floating_point()) if x is not None else None)
+              for n, x in inputs.items()}
+    out = _as_tuple(run(**leaves))
+    loss = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o)).sum()
+               for o in out if o.requires_grad)
+    loss.backward()
+    grads = tuple(x.grad for x in leaves.values() if x is not None and x.grad is not None)
+    return tuple(o.detach() for o in out), grads
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", list(DETERMINISM))
+def test_forward_and_backward_are_bitwise_deterministic(name, path):
+    make, run = DETERMINISM[name]
+    inputs = make(path)
+    out1, grads1 = _forward_backward(run, inputs)
+    out2, grads2 = _forward_backward(run, inputs)
+    assert grads1, "nothing was differentiated"
+    for a, b in zip(out1 + grads1, out2 + grads2):
+        assert torch.equal(a, b), f"{name}: two identical calls differ"
