@@ -215,14 +215,17 @@ def test_conv_errors():
     x = torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match=r"x: expected a 3-D tensor"):
         conv(torch.randn(5, 8))
-    with pytest.raises(ValueError, match=r"weight: expected shape \[D, W\] = \[6, W\]"):
+    with pytest.raises(ValueError, match=r"x: expected \[B, T, D\] with D = hidden_size = 8, "
+                                         r"got \(2, 5, 6\)"):
         conv(torch.randn(2, 5, 6))
-    with pytest.raises(ValueError, match=r"initial_state: expected shape \[N, D, W\] = "
+    with pytest.raises(ValueError, match=r"weight: expected shape \[D, W\] = \[6, W\]"):
+        causal_conv1d(torch.randn(2, 5, 6), conv.weight)
+    with pytest.raises(ValueError, match=r"cache: expected shape \[N, D, W\] = "
                                          r"\[2, 8, 4\].*got \(2, 8, 3\)"):
         conv(x, cache=torch.randn(2, 8, 3))
     with pytest.raises(ValueError, match="cu_seqlens: packed sequences need the batch size"):
         conv(x, cu_seqlens=torch.tensor([0, 2, 5]))
-    with pytest.raises(ValueError, match=r"initial_state: expected shape \[N, D, W\] = "
+    with pytest.raises(ValueError, match=r"cache: expected shape \[N, D, W\] = "
                                          r"\[3, 8, 4\]"):
         conv(torch.randn(1, 9, 8), cache=torch.randn(1, 8, 4),
              cu_seqlens=torch.tensor([0, 2, 5, 9]))
