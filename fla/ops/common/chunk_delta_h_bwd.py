@@ -15,6 +15,12 @@ Backward, from the last chunk to the first with the adjoint dS = ∂L/∂S' (sta
 
 Without W (simple GLA: Vn = U = V) the last term drops and dVn is dV.
 
+With a vector gate (``USE_GK``, GLA / RWKV6, §3: γ ``[B, T, H, K]``) the decays act per
+state row and the query side may read its own cumulative gate γq (RWKV6: exclusive):
+
+    dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
+    dS  ← diag(exp(γ_L)) dS + scale·(Q ⊙ exp(γq))ᵀ dO
+
 ``dv_local`` is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s output. The gradient
 of ``initial_state`` is dS after the first chunk of each sequence.
 """
@@ -49,8 +55,24 @@ def _dhu_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in stages]
 
 
+@triton.jit
+def _gk_decay_to_end(b_x, g, p_g, m, b_gl, dt):
+    """A [BT, BK] tile times exp(γ_L − γ) channel by channel (``b_gl`` [BK] = γ_L; the
+    exponents are ≤ 0 and masked before exp), in ``dt``."""
+    b_g = tl.load(g + p_g, mask=m, other=0.).to(tl.float32)
+    return (b_x.to(tl.float32) * tl.where(m, tl.exp(tl.where(m, b_gl[None, :] - b_g, 0.)),
+                                          0.)).to(dt)
+
+
+@triton.jit
+def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
+    """scale · Q ⊙ exp(γq) for one [BT, BK] tile (γq chunk-local, ≤ 0), in ``dt``."""
+    b_g = tl.load(gq + p_g, mask=m, other=0.).to(tl.float32)
+    return (b_q.to(tl.float32) * scale * tl.exp(b_g)).to(dt)
+
+
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -60,6 +82,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     LOCAL_FROM_AQK: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    gq=None, USE_GK: tl.constexpr = False,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
 
@@ -142,20 +165,44 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
 
         # dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
         k_rows = rows[:, None] * (H * K) + i_h * K
+        if USE_GK:
+            # γ_L per channel: the decay of each state row over the rest of the chunk.
+            p_gl = g + (bos + last) * H * K + i_h * K
+            b_gl1 = tl.load(p_gl + o_k1, mask=m_k1, other=0.).to(tl.float32)
+            if K > BK:
+                b_gl2 = tl.load(p_gl + o_k2, mask=m_k2, other=0.).to(tl.float32)
+            if K > 2 * BK:
+                b_gl3 = tl.load(p_gl + o_k3, mask=m_k3, other=0.).to(tl.float32)
+            if K > 3 * BK:
+                b_gl4 = tl.load(p_gl + o_k4, mask=m_k4, other=0.).to(tl.float32)
         b_dv2 = tl.zeros([BT, BV], dtype=tl.float32)
         b_k = tl.load(k + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        if USE_GK:
+            # exp(γ_L − γ) = 1 / exp(γ − γ_L): passed as exp(−(γ − γ_L)) via the negated
+            # reference, never as a quotient.
+            b_k = _gk_decay_to_end(b_k, g, k_rows + o_k1[None, :],
+                                   m_t[:, None] & m_k1[None, :], b_gl1, dt)
         b_dv2 += tl.dot(b_k, b_dh1.to(dt), input_precision=DOT_PRECISION)
         if K > BK:
             b_k = tl.load(k + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                           other=0.)
+            if USE_GK:
+                b_k = _gk_decay_to_end(b_k, g, k_rows + o_k2[None, :],
+                                       m_t[:, None] & m_k2[None, :], b_gl2, dt)
             b_dv2 += tl.dot(b_k, b_dh2.to(dt), input_precision=DOT_PRECISION)
         if K > 2 * BK:
             b_k = tl.load(k + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                           other=0.)
+            if USE_GK:
+                b_k = _gk_decay_to_end(b_k, g, k_rows + o_k3[None, :],
+                                       m_t[:, None] & m_k3[None, :], b_gl3, dt)
             b_dv2 += tl.dot(b_k, b_dh3.to(dt), input_precision=DOT_PRECISION)
         if K > 3 * BK:
             b_k = tl.load(k + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                           other=0.)
+            if USE_GK:
+                b_k = _gk_decay_to_end(b_k, g, k_rows + o_k4[None, :],
+                                       m_t[:, None] & m_k4[None, :], b_gl4, dt)
             b_dv2 += tl.dot(b_k, b_dh4.to(dt), input_precision=DOT_PRECISION)
         if USE_G:
             b_dv2 *= b_decay[:, None]
@@ -185,7 +232,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if USE_W:
             b_w = tl.load(w + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :],
                           other=0.)
-        b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+        if USE_GK:
+            b_q = _gk_query_tile(b_q, gq, k_rows + o_k1[None, :], m_t[:, None] & m_k1[None, :],
+                                 scale, dt)
+            b_dh1 *= tl.exp(b_gl1)[:, None]
+        else:
+            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
         if USE_G:
             b_dh1 *= b_last
         b_dh1 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
@@ -198,7 +250,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             if USE_W:
                 b_w = tl.load(w + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                               other=0.)
-            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_GK:
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k2[None, :],
+                                     m_t[:, None] & m_k2[None, :], scale, dt)
+                b_dh2 *= tl.exp(b_gl2)[:, None]
+            else:
+                b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh2 *= b_last
             b_dh2 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
@@ -211,7 +268,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             if USE_W:
                 b_w = tl.load(w + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                               other=0.)
-            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_GK:
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k3[None, :],
+                                     m_t[:, None] & m_k3[None, :], scale, dt)
+                b_dh3 *= tl.exp(b_gl3)[:, None]
+            else:
+                b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh3 *= b_last
             b_dh3 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
@@ -224,7 +286,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             if USE_W:
                 b_w = tl.load(w + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                               other=0.)
-            b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
+            if USE_GK:
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k4[None, :],
+                                     m_t[:, None] & m_k4[None, :], scale, dt)
+                b_dh4 *= tl.exp(b_gl4)[:, None]
+            else:
+                b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
             if USE_G:
                 b_dh4 *= b_last
             b_dh4 += tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
@@ -261,13 +328,15 @@ def chunk_gated_delta_rule_bwd_dhu(
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
     Aqk: torch.Tensor | None = None,
+    gq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
     Args:
         q, k, w: ``[B, T, H, K]`` (w = W of the WY form; None when Vn = U, as in simple
             GLA), fp32/fp16/bf16, K ≤ 256.
-        g: ``[B, T, H]`` chunk-local cumulative log decay γ (fp32), or None (no decay).
+        g: ``[B, T, H]`` chunk-local cumulative log decay γ (fp32), or None (no decay);
+            or ``[B, T, H, K]`` fp32, a vector gate (GLA / RWKV6).
         h0: the forward's ``initial_state`` ``[N, H, K, V]`` or None; only decides whether
             ``dh0`` is computed.
         dht: ``[N, H, K, V]`` gradient of the final state, or None (zero).
@@ -280,6 +349,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         chunk_indices: ``[NT, 2]`` rows for ``cu_seqlens`` (built here when None).
         Aqk: ``[B, T, H, BT]`` the forward's causal gated scores (``chunk_fwd_intra``);
             given, the pass computes dv_local = scale·Aqkᵀ dO itself and ``dv`` is unused.
+        gq: with a vector gate, the query side's cumulative gate ``[B, T, H, K]`` fp32
+            (RWKV6: exclusive, γ − w); None: γ itself.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -300,6 +371,9 @@ def chunk_gated_delta_rule_bwd_dhu(
     q, k, do = q.contiguous(), k.contiguous(), do.contiguous()
     w, dv, Aqk = (None if x is None else x.contiguous() for x in (w, dv, Aqk))
     g = None if g is None else g.contiguous()
+    vector_gate = g is not None and g.dim() == 4
+    if vector_gate:
+        gq = g if gq is None else gq.contiguous()
     if cu_seqlens is not None:
         chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, BT).to(k.device)
@@ -320,8 +394,10 @@ def chunk_gated_delta_rule_bwd_dhu(
     chunk_gated_delta_rule_bwd_dhu_kernel[grid](
         q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
+        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None and not vector_gate,
+        USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+        **(dict(gq=gq, USE_GK=True) if vector_gate else {}),
     )
     return dh, dh0, dv2

@@ -1,0 +1,433 @@
+"""Fused recurrent GLA (decoding; also trains): one program per (V tile, head, sequence)
+keeps its ``[K, BV]`` tile of the state in float32 registers, forward and backward.
+
+The recurrence (ALGORITHMS.md §3), per sequence and head::
+
+    S_t = diag(exp(gk_t)) · S_{t-1} · diag(exp(gv_t)) + k_t ⊗ v_t
+    o_t = scale · S_tᵀ q_t                 (EXCLUSIVE, RWKV6's state part: S_{t-1}ᵀ q_t)
+
+Backward (exact, two sweeps, nothing saved but the final state). With D_t = ∂L/∂S_t::
+
+    reverse sweep:  D_t += scale q_t do_tᵀ ; dk_t = D_t v_t ; dv_t = D_tᵀ k_t ;
+                    D_{t-1} = diag(e^{gk_t}) D_t diag(e^{gv_t})      (D_T = dht, dh0 = D_0)
+    forward sweep:  S_t rebuilt from h0 ; dq_t = scale S_t do_t ; o_t (for dgv)
+
+(EXCLUSIVE: q_t do_tᵀ enters D after the decay, and dq_t reads S_{t-1}.) The gates need
+neither sweep: with the cumulative log gates bk, bv, S_t = e^{bk_t} S̃_t e^{bv_t}, so q
+carries +bk, k carries −bk, o carries +bv and v carries −bv, whence::
+
+    dgk_t = Σ_{s≥t} (q_s⊙dq_s − k_s⊙dk_s) + Σ_v dht ⊙ S_T
+    dgv_t = Σ_{s≥t} (o_s⊙do_s − v_s⊙dv_s) + Σ_k dht ⊙ S_T
+
+(EXCLUSIVE: q_s reads bk_{s-1}, so the q term of s = t drops: dgk_t −= q_t⊙dq_t.)
+Reverse cumulative sums per sequence, in float64, in PyTorch.
+
+``reverse=True`` runs the recurrence from each sequence's last token to its first: the
+inputs are flipped per sequence (a gather autograd differentiates) around the same
+kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.standard import _sum_combine
+
+from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
+from fla.ops.gla.recurrent_torch import recurrent_gla_torch
+from fla.utils.backend import Backend, select_backend
+from fla.utils.tuning import Config, tuned
+
+__all__ = ["fused_recurrent_gla", "fused_recurrent_gla_on_inputs"]
+
+
+def _block_k(K: int) -> int:
+    # One tile covers all of K: Sᵀq is complete inside one program.
+    return triton.next_power_of_2(K)
+
+
+def _default_config(args) -> Config:
+    # About 64 float32 state elements a thread (the gated delta rule's measured choice:
+    # BK = 128 -> BV = 16 on 1 warp).
+    BK = args["BK"]
+    BV = min(triton.next_power_of_2(args["V"]), max(16, 2048 // BK))
+    return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
+
+
+def _config_space(args) -> list[Config]:
+    BK, Vp = args["BK"], triton.next_power_of_2(args["V"])
+    return [Config(BV=bv, num_warps=w, num_stages=s)
+            for bv in (8, 16, 32, 64) if bv <= Vp and BK * bv <= 16384
+            for w in (1, 2, 4, 8) if BK * bv // (32 * w) >= 4 for s in (1, 2)]
+
+
+def _bwd_block_v(K: int, V: int) -> int:
+    # Fixes the layout of the dq/dk partial sums over V tiles, so the launcher picks it.
+    return min(triton.next_power_of_2(V), max(8, 4096 // _block_k(K)))
+
+
+def _bwd_default_config(args) -> Config:
+    return Config(num_warps=min(8, max(1, args["BK"] * args["BV"] // 512)), num_stages=1)
+
+
+def _bwd_config_space(args) -> list[Config]:
+    tile = args["BK"] * args["BV"]
+    return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
+            if tile // (32 * w) >= 4]
+
+
+@triton.jit
+def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * T
+        length = T
+    return bos, length
+
+
+@triton.jit
+def _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
+    if USE_GK:
+        b_s = b_s * tl.exp(tl.load(p_gk, mask=m_k, other=0.).to(tl.float32))[:, None]
+    if USE_GV:
+        b_s = b_s * tl.exp(tl.load(p_gv, mask=m_v, other=0.).to(tl.float32))[None, :]
+    return b_s
+
+
+@tuned(key=["K", "V", "q", "h0"], default=_default_config, space=_config_space)
+@triton.jit(do_not_specialize=["T"])
+def fused_recurrent_gla_fwd_kernel(
+    q, k, v, gk, gv, o, h0, ht, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GK: tl.constexpr, USE_GV: tl.constexpr, USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, EXCLUSIVE: tl.constexpr,
+):
+    """Grid ``(NV, N·H)``; q, k, gk ``[B, T, H, K]``, v, gv, o ``[B, T, H, V]``."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    state = i_nh.to(tl.int64) * K * V
+
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * H + i_h) * V + o_v
+    p_o = o + (bos * H + i_h) * V + o_v
+    p_gk = gk
+    if USE_GK:
+        p_gk = gk + (bos * H + i_h) * K + o_k
+    p_gv = gv
+    if USE_GV:
+        p_gv = gv + (bos * H + i_h) * V + o_v
+
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.).to(tl.float32)
+    for _ in range(0, length):
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        if EXCLUSIVE:
+            b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
+        b_s = _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        b_s += b_k[:, None] * b_v[None, :]
+        if not EXCLUSIVE:
+            b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        p_q += H * K
+        p_k += H * K
+        p_v += H * V
+        p_o += H * V
+        if USE_GK:
+            p_gk += H * K
+        if USE_GV:
+            p_gv += H * V
+    if STORE_HT:
+        tl.store(ht + state + o_s, b_s, mask=m_s)
+
+
+@tuned(key=["K", "V", "BV", "q", "h0"], default=_bwd_default_config, space=_bwd_config_space)
+@triton.jit(do_not_specialize=["T"])
+def fused_recurrent_gla_bwd_kernel(
+    q, k, v, gk, gv, h0, do, dht, dq, dk, dv, dgv, dh0, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GK: tl.constexpr, USE_GV: tl.constexpr, USE_H0: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    EXCLUSIVE: tl.constexpr,
+):
+    """Grid ``(NV, N·H)``. dq, dk ``[B, T, H, NV, K]`` float32 partial sums over V tiles;
+    dv ``[B, T, H, V]`` float32; dgv ``[B, T, H, V]`` float32 = o⊙do − v⊙dv (per token,
+    not yet summed over time)."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    state = i_nh.to(tl.int64) * K * V
+
+    # ---- reverse sweep: the adjoint state D, from dht back to dh0
+    last = bos + length - 1
+    p_q = q + (last * H + i_h) * K + o_k
+    p_k = k + (last * H + i_h) * K + o_k
+    p_v = v + (last * H + i_h) * V + o_v
+    p_do = do + (last * H + i_h) * V + o_v
+    p_dv = dv + (last * H + i_h) * V + o_v
+    p_dk = dk + ((last * H + i_h) * NV + i_v) * K + o_k
+    p_gk = gk
+    if USE_GK:
+        p_gk = gk + (last * H + i_h) * K + o_k
+    p_gv = gv
+    if USE_GV:
+        p_gv = gv + (last * H + i_h) * V + o_v
+    b_d = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_d += tl.load(dht + state + o_s, mask=m_s, other=0.).to(tl.float32)
+    for _ in range(0, length):
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_do = tl.load(p_do, mask=m_v, other=0.).to(tl.float32)
+        if not EXCLUSIVE:
+            b_d += b_q[:, None] * b_do[None, :]
+        tl.store(p_dk, tl.reduce(b_d * b_v[None, :], 1, _sum_combine), mask=m_k)
+        tl.store(p_dv, tl.reduce(b_d * b_k[:, None], 0, _sum_combine), mask=m_v)
+        b_d = _decay(b_d, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        if EXCLUSIVE:
+            b_d += b_q[:, None] * b_do[None, :]
+        p_q -= H * K
+        p_k -= H * K
+        p_v -= H * V
+        p_do -= H * V
+        p_dv -= H * V
+        p_dk -= H * NV * K
+        if USE_GK:
+            p_gk -= H * K
+        if USE_GV:
+            p_gv -= H * V
+    if STORE_DH0:
+        tl.store(dh0 + state + o_s, b_d, mask=m_s)
+    # The forward sweep reads back dv written above by other threads of this program.
+    tl.debug_barrier()
+
+    # ---- forward sweep: rebuild S_t from h0; dq, and o for the gv gradient
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * H + i_h) * V + o_v
+    p_do = do + (bos * H + i_h) * V + o_v
+    p_dv = dv + (bos * H + i_h) * V + o_v
+    p_dq = dq + ((bos * H + i_h) * NV + i_v) * K + o_k
+    p_gk = gk
+    if USE_GK:
+        p_gk = gk + (bos * H + i_h) * K + o_k
+    p_gv = gv
+    if USE_GV:
+        p_gv = gv + (bos * H + i_h) * V + o_v
+    p_dgv = dgv
+    if USE_GV:
+        p_dgv = dgv + (bos * H + i_h) * V + o_v
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.).to(tl.float32)
+    for _ in range(0, length):
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_do = tl.load(p_do, mask=m_v, other=0.).to(tl.float32)
+        if EXCLUSIVE:
+            tl.store(p_dq, tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
+        b_s = _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        b_s += b_k[:, None] * b_v[None, :]
+        if not EXCLUSIVE:
+            tl.store(p_dq, tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
+        if USE_GV:
+            b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
+            b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
+            b_dv = tl.load(p_dv, mask=m_v, other=0.)
+            tl.store(p_dgv, b_o * b_do - b_v * b_dv, mask=m_v)
+            p_dgv += H * V
+        p_q += H * K
+        p_k += H * K
+        p_v += H * V
+        p_do += H * V
+        p_dv += H * V
+        p_dq += H * NV * K
+        if USE_GK:
+            p_gk += H * K
+        if USE_GV:
+            p_gv += H * V
+
+
+def _launch_fwd(x: GLAInputs, output_final_state: bool, exclusive: bool, out_dtype):
+    B, T, H, K = x.q.shape
+    V = x.V
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=x.v.device)
+    ht = (torch.empty(x.N, H, K, V, dtype=torch.float32, device=x.q.device)
+          if output_final_state else None)
+    fused_recurrent_gla_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), x.N * H)](
+        x.q, x.k, x.v, x.gk, x.gv, o, x.initial_state, ht, x.cu_seqlens, x.scale, T,
+        H=H, K=K, V=V, BK=_block_k(K), USE_GK=x.gk is not None, USE_GV=x.gv is not None,
+        USE_H0=x.initial_state is not None, STORE_HT=output_final_state,
+        IS_VARLEN=x.cu_seqlens is not None, EXCLUSIVE=exclusive)
+    return o, ht
+
+
+def reverse_cumsum(x: torch.Tensor, offsets: list[int] | None) -> torch.Tensor:
+    """``y_t = Σ_{s ≥ t} x_s`` within each sequence, over dim 1 of ``x [B, T, ...]``,
+    summed in float64 (over thousands of tokens a float32 running sum loses digits)."""
+    def rc(t):
+        return t.double().flip(1).cumsum(1).flip(1)
+    if offsets is None:
+        return rc(x).to(x.dtype)
+    return torch.cat([rc(x[:, s:e]) for s, e in zip(offsets[:-1], offsets[1:])],
+                     dim=1).to(x.dtype)
+
+
+def add_at_last_tokens(x: torch.Tensor, value: torch.Tensor, offsets: list[int] | None):
+    """``x[:, last token of sequence n] += value[n]`` for x ``[B, T, ...]`` (in place)."""
+    if offsets is None:
+        x[:, -1] += value
+    else:
+        x[0].index_add_(0, torch.tensor(offsets[1:], device=x.device) - 1, value)
+    return x
+
+
+class FusedRecurrentGLAFunction(torch.autograd.Function):
+    """Autograd over the fused kernels; inputs validated, time-major, contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gk, gv, initial_state, x, output_final_state, exclusive,
+                out_dtype):
+        x = GLAInputs(**{**x.__dict__, "q": q, "k": k, "v": v, "gk": gk, "gv": gv,
+                         "initial_state": initial_state})
+        # The final state is also what the gate gradients need from the forward.
+        o, ht = _launch_fwd(x, output_final_state or gk is not None or gv is not None,
+                            exclusive, out_dtype)
+        ctx.save_for_backward(q, k, v, gk, gv, initial_state, ht)
+        ctx.x, ctx.exclusive = x, exclusive
+        ctx.set_materialize_grads(False)
+        return o, (ht if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gk, gv, h0, ht = ctx.saved_tensors
+        x, exclusive = ctx.x, ctx.exclusive
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        do = torch.zeros(B, T, H, V, dtype=torch.float32, device=v.device) if do is None \
+            else do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        BK, BV = _block_k(K), _bwd_block_v(K, V)
+        NV = triton.cdiv(V, BV)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq = torch.empty(B, T, H, NV, K, **f32)
+        dk = torch.empty(B, T, H, NV, K, **f32)
+        dv = torch.empty(B, T, H, V, **f32)
+        dgv = torch.empty(B, T, H, V, **f32) if gv is not None else None
+        dh0 = torch.empty(x.N, H, K, V, **f32) if h0 is not None else None
+        fused_recurrent_gla_bwd_kernel[(NV, x.N * H)](
+            q, k, v, gk, gv, h0, do, dht, dq, dk, dv, dgv, dh0, x.cu_seqlens, x.scale, T,
+            H=H, K=K, V=V, BK=BK, BV=BV, USE_GK=gk is not None, USE_GV=gv is not None,
+            USE_H0=h0 is not None, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
+            IS_VARLEN=x.cu_seqlens is not None, EXCLUSIVE=exclusive)
+        dq, dk = dq.sum(3), dk.sum(3)
+        dgk = None
+        if gk is not None:
+            q_term = q.float() * dq
+            dgk = q_term - k.float() * dk
+            if dht is not None:
+                add_at_last_tokens(dgk, (dht.float() * ht).sum(-1), x.seq_offsets)
+            dgk = reverse_cumsum(dgk, x.seq_offsets)
+            if exclusive:
+                dgk = dgk - q_term
+            dgk = dgk.to(gk.dtype)
+        if dgv is not None:
+            if dht is not None:
+                add_at_last_tokens(dgv, (dht.float() * ht).sum(-2), x.seq_offsets)
+            dgv = reverse_cumsum(dgv, x.seq_offsets).to(gv.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgk, dgv,
+                None if dh0 is None else dh0.to(h0.dtype), None, None, None, None)
+
+
+def _flip_per_sequence(x: torch.Tensor | None, offsets: list[int] | None, T: int):
+    """Reverse the token order of each sequence (dim 1); differentiable."""
+    if x is None:
+        return None
+    if offsets is None:
+        return x.flip(1)
+    index = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in zip(offsets[:-1], offsets[1:])])
+    return x.index_select(1, index.to(x.device))
+
+
+def fused_recurrent_gla_on_inputs(x: GLAInputs, output_final_state: bool, reverse: bool = False,
+                                  exclusive: bool = False, out_dtype=None):
+    """Run validated inputs through the recurrence (state part; ``exclusive``: read
+    S_{t-1}); returns time-major ``(o, final_state)``, o in ``out_dtype`` (v's)."""
+    out_dtype = x.v.dtype if out_dtype is None else out_dtype
+    if reverse:
+        flip = [_flip_per_sequence(t, x.seq_offsets, x.T) for t in (x.q, x.k, x.v, x.gk, x.gv)]
+        x = GLAInputs(**{**x.__dict__, **dict(zip(("q", "k", "v", "gk", "gv"), flip))})
+    if select_backend(x.q, x.k, x.v, x.gk, x.gv, x.initial_state) is Backend.TORCH:
+        o, ht = recurrent_gla_torch(x.q, x.k, x.v, x.gk, x.gv, x.scale, x.initial_state,
+                                    x.seq_offsets, exclusive)
+        o, ht = o.to(out_dtype), (ht if output_final_state else None)
+    elif torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (x.q, x.k, x.v, x.gk, x.gv, x.initial_state)):
+        o, ht = FusedRecurrentGLAFunction.apply(x.q, x.k, x.v, x.gk, x.gv, x.initial_state,
+                                                x, output_final_state, exclusive, out_dtype)
+    else:
+        o, ht = _launch_fwd(x, output_final_state, exclusive, out_dtype)
+    if reverse:
+        o = _flip_per_sequence(o, x.seq_offsets, x.T)
+    return o, ht
+
+
+def fused_recurrent_gla(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None, scale: float | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    reverse: bool = False, cu_seqlens: torch.Tensor | None = None, head_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Gated linear attention computed one token at a time (decoding; also trains).
+
+    For every sequence n and head h, from ``S_0 = initial_state[n, h]`` (zeros if None)::
+
+        S_t = diag(exp(gk_t)) · S_{t-1} · diag(exp(gv_t)) + k_t ⊗ v_t
+        o_t = scale · S_tᵀ q_t
+
+    Args:
+        q, k: ``[B, T, H, K]`` (``[B, H, T, K]`` with ``head_first=True``), K ≤ 256.
+        v: ``[B, T, H, V]``, V ≤ 256.
+        gk: ``[B, T, H, K]`` natural-log decay of the state's K rows (≤ 0; float32
+            recommended), or None.
+        gv: ``[B, T, H, V]`` natural-log decay of the state's V columns, or None.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` (float32 recommended); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the state after each sequence.
+        reverse: run each sequence from its last token to its first (the final state is
+            then the state after the first token).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        head_first: inputs and output are ``[B, H, T, ...]``.
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype; ``final_state
+        [N, H, K, V]`` float32 or None. Differentiable in q, k, v, gk, gv, initial_state.
+
+    CUDA tensors run the Triton kernels; CPU tensors the PyTorch recurrence (or the
+    kernels in the interpreter with ``TRITON_INTERPRET=1``).
+    """
+    x = prepare_gla_inputs(q, k, v, gk, gv, scale, initial_state, cu_seqlens, head_first)
+    o, final_state = fused_recurrent_gla_on_inputs(x, output_final_state, reverse)
+    if head_first:
+        o = o.transpose(1, 2)
+    return o, final_state
