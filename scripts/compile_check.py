@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--resources", action="store_true",
                    help="registers, stack, local (spill) and shared memory per kernel")
     p.add_argument("--ops", default="gated_delta_rule",
-                   help="comma-separated families: gated_delta_rule, simple_gla")
+                   help="comma-separated families: gated_delta_rule, simple_gla, dplr")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     B, T, H, D = (int(x) for x in args.shape.split("x"))
@@ -158,9 +158,12 @@ def main(argv=None) -> int:
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+    from fla.ops.generalized_delta_rule import (chunk_dplr_delta_rule,
+                                                fused_recurrent_dplr_delta_rule)
     families = {
         "gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
         "simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
+        "dplr": (chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule),
     }
     if args.split:
         import fla.ops.common.chunk_fwd_inter as inter
@@ -174,7 +177,12 @@ def main(argv=None) -> int:
                        for _ in range(3))
             g = torch.rand(B, T, H).neg().requires_grad_()
             h0 = torch.randn(B, H, D, D, requires_grad=True)
-            if family == "gated_delta_rule":
+            if family == "dplr":  # gk, a, b: [B, T, H, K] like q
+                gk = torch.rand(B, T, H, D).neg().requires_grad_()
+                a, b = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
+                        for _ in range(2))
+                o, ht = op(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
+            elif family == "gated_delta_rule":
                 beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
                 o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
             else:
