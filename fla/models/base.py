@@ -1,0 +1,425 @@
+"""The shared base of every model: config fields common to all architectures, the block
+(norm → mixer → residual, norm → gated MLP → residual), the model (embeddings, blocks,
+final norm), the causal-LM head with its loss, input checks and generation.
+
+An architecture is a config subclass that names its ``model_type``, holds its mixer's
+settings and builds the mixer (:meth:`FLAConfig.build_mixer`), plus three two-line
+classes naming that config (see ``fla/models/delta_net.py``). Layers listed in the
+config's ``attn`` entry become softmax :class:`fla.layers.Attention` (hybrid models).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from fla.layers.attn import Attention
+from fla.models.utils import Cache
+from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss, GatedMLP, RMSNorm
+from fla.utils.validation import check_cu_seqlens
+
+__all__ = ["FLAConfig", "FLABlock", "FLAPreTrainedModel", "FLAModel", "FLAForCausalLM"]
+
+# transformers 5 names tied weights as {target: source}; 4.x lists the targets.
+_TRANSFORMERS_V5 = int(transformers.__version__.split(".")[0]) >= 5
+ATTN_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm",
+             "window_size", "rope_theta")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+class FLAConfig(PretrainedConfig):
+    """Fields shared by every architecture (names as in Flash Linear Attention's configs).
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers: the usual.
+        hidden_ratio, intermediate_size, hidden_act, fuse_swiglu: the gated MLP of each
+            block (see :class:`fla.modules.GatedMLP`).
+        norm_eps: the RMSNorms' epsilon.
+        attn: None, or a dict turning layers into softmax attention: ``layers`` (indices),
+            ``num_heads``, and optionally ``num_kv_heads``, ``head_dim``, ``qkv_bias``,
+            ``qk_norm``, ``window_size``, ``rope_theta``.
+        fuse_cross_entropy: the loss through :class:`fla.modules.FusedCrossEntropyLoss`;
+        fuse_linear_cross_entropy: the head and the loss fused
+            (:class:`fla.modules.FusedLinearCrossEntropyLoss`; no logits are returned).
+        initializer_range: std of the normal init of projections and embeddings.
+    """
+
+    use_mlp = True  # blocks carry a gated MLP (Mamba2's do not)
+
+    def __init__(self, vocab_size: int = 32000, hidden_size: int = 2048,
+                 num_hidden_layers: int = 24, hidden_ratio: float | None = 4,
+                 intermediate_size: int | None = None, hidden_act: str = "swish",
+                 max_position_embeddings: int = 2048, norm_eps: float = 1e-6,
+                 attn: dict | None = None, use_cache: bool = True,
+                 pad_token_id: int | None = None, bos_token_id: int | None = 1,
+                 eos_token_id: int | None = 2, tie_word_embeddings: bool = False,
+                 initializer_range: float = 0.02, fuse_norm: bool = True,
+                 fuse_swiglu: bool = True, fuse_cross_entropy: bool = True,
+                 fuse_linear_cross_entropy: bool = False, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.hidden_ratio = hidden_ratio
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.norm_eps = norm_eps
+        self.attn = None if attn is None else dict(attn)
+        self.use_cache = use_cache
+        self.initializer_range = initializer_range
+        self.fuse_norm = fuse_norm
+        self.fuse_swiglu = fuse_swiglu
+        self.fuse_cross_entropy = fuse_cross_entropy
+        self.fuse_linear_cross_entropy = fuse_linear_cross_entropy
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings,
+                         **kwargs)
+        self.check()
+
+    # ------------------------------------------------------------------ architecture
+    def build_mixer(self, layer_idx: int) -> nn.Module:
+        """The architecture's token mixer for layer ``layer_idx`` (subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define build_mixer")
+
+    def is_attention_layer(self, layer_idx: int) -> bool:
+        return self.attn is not None and layer_idx in self.attn["layers"]
+
+    def build_attention(self, layer_idx: int) -> Attention:
+        attn = self.attn
+        return Attention(hidden_size=self.hidden_size, num_heads=attn["num_heads"],
+                         num_kv_heads=attn.get("num_kv_heads"), head_dim=attn.get("head_dim"),
+                         qkv_bias=attn.get("qkv_bias", False), qk_norm=attn.get("qk_norm", False),
+                         window_size=attn.get("window_size"),
+                         rope_theta=attn.get("rope_theta", 10000.0),
+                         max_position_embeddings=self.max_position_embeddings,
+                         norm_eps=self.norm_eps, layer_idx=layer_idx)
+
+    # ----------------------------------------------------------------------- checks
+    def check(self) -> None:
+        """Raise ``ValueError`` at construction for a config no model could be built
+        from: the mixers (and attention layers) are built once on the meta device, so
+        their own checks (e.g. hidden size not divisible by heads) apply here."""
+        _positive_int("vocab_size", self.vocab_size)
+        _positive_int("hidden_size", self.hidden_size)
+        _positive_int("num_hidden_layers", self.num_hidden_layers)
+        if self.attn is not None:
+            unknown = set(self.attn) - set(ATTN_KEYS)
+            if unknown:
+                raise ValueError(f"attn: unknown keys {sorted(unknown)}; expected some of "
+                                 f"{list(ATTN_KEYS)}")
+            if "layers" not in self.attn or "num_heads" not in self.attn:
+                raise ValueError("attn: expected at least 'layers' (indices) and 'num_heads'")
+            layers = self.attn["layers"]
+            if not isinstance(layers, (list, tuple)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and
+                    0 <= i < self.num_hidden_layers for i in layers):
+                raise ValueError(f"attn['layers']: expected a list of layer indices in "
+                                 f"[0, num_hidden_layers = {self.num_hidden_layers}), got "
+                                 f"{layers!r}")
+            self.attn["layers"] = sorted(set(layers))
+        with torch.device("meta"):
+            kinds = {self.is_attention_layer(i): i for i in range(self.num_hidden_layers)}
+            for is_attn, i in kinds.items():
+                self.build_attention(i) if is_attn else self.build_mixer(i)
+            if self.use_mlp:
+                GatedMLP(self.hidden_size, self.hidden_ratio, self.intermediate_size,
+                         self.hidden_act)
+
+
+class FLABlock(nn.Module):
+    """``x + mixer(norm(x))``, then ``x + mlp(norm(x))`` (the second norm adds the
+    residual in the same kernel)."""
+
+    def __init__(self, config: FLAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = (config.build_attention(layer_idx) if config.is_attention_layer(layer_idx)
+                     else config.build_mixer(layer_idx))
+        if config.use_mlp:
+            self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+            self.mlp = GatedMLP(config.hidden_size, config.hidden_ratio,
+                                config.intermediate_size, config.hidden_act,
+                                fuse_swiglu=config.fuse_swiglu)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, use_cache: bool = False,
+                output_attentions: bool = False, cu_seqlens: torch.Tensor | None = None):
+        residual = hidden_states
+        hidden_states = self.attn_norm(hidden_states)
+        hidden_states, attentions, past_key_values = self.attn(
+            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
+            use_cache=use_cache, output_attentions=output_attentions, cu_seqlens=cu_seqlens)
+        if hasattr(self, "mlp"):
+            hidden_states, residual = self.mlp_norm(hidden_states, residual, prenorm=True)
+            hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states, attentions, past_key_values
+
+
+class FLAPreTrainedModel(PreTrainedModel):
+    config_class = FLAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FLABlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """Integer ids ``[B, T]`` in ``[0, vocab_size)`` (``labels`` may also be −100)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
+            or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name}: expected shape [batch, length], got {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name}: expected at least one token, got shape {tuple(ids.shape)}")
+    valid = ids if name != "labels" else ids[ids != -100]
+    if valid.numel() == 0:
+        return
+    lo, hi = int(valid.min()), int(valid.max())
+    if hi >= vocab_size:
+        raise ValueError(f"{name}: token ids must lie in [0, vocab_size = {vocab_size}); the "
+                         f"maximum is {hi}")
+    if lo < 0:
+        raise ValueError(f"{name}: token ids must lie in [0, vocab_size = {vocab_size}); the "
+                         f"minimum is {lo}" + (" (only -100 is ignored)" if name == "labels"
+                                               else ""))
+
+
+class FLAModel(FLAPreTrainedModel):
+    """Embeddings, ``num_hidden_layers`` blocks, final RMSNorm."""
+
+    def __init__(self, config: FLAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(FLABlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings = value
+
+    def forward(self, input_ids: torch.LongTensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+                **kwargs: Any):
+        """Hidden states of ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``).
+
+        ``attention_mask [B, L ≥ T]``: 2-D padding mask (left padding; see
+        :mod:`fla.layers.utils`). ``cu_seqlens [N + 1]``: packed sequences in a batch of
+        one (B == 1), no state or attention crosses a boundary. ``past_key_values``: a
+        :class:`fla.models.utils.Cache`, created when ``use_cache`` and None.
+        Everything is checked before any kernel runs.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            check_token_ids("input_ids", input_ids, self.config.vocab_size)
+            B, T = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"inputs_embeds: expected [batch, length, hidden_size = "
+                                 f"{self.config.hidden_size}], got {tuple(inputs_embeds.shape)}")
+            B, T = inputs_embeds.shape[:2]
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or \
+                    attention_mask.shape[1] < T:
+                raise ValueError(
+                    f"attention_mask: expected a 2-D padding mask [batch, length] = [{B}, L >= "
+                    f"{T}] matching the inputs (its last {T} columns are theirs), got shape "
+                    f"{tuple(attention_mask.shape)}")
+            if cu_seqlens is not None:
+                raise ValueError("attention_mask and cu_seqlens: give one of them (packed "
+                                 "sequences have no padding)")
+        check_cu_seqlens(cu_seqlens, T=T, B=B)
+        if past_key_values is not None and not isinstance(past_key_values, Cache):
+            raise TypeError(f"past_key_values: expected a fla.models.utils.Cache, got "
+                            f"{type(past_key_values).__name__}")
+
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # recomputed blocks must not write the cache twice
+        output_attentions = bool(output_attentions)
+        output_hidden_states = bool(output_hidden_states)
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None \
+            else return_dict
+        if use_cache and past_key_values is None:
+            past_key_values = Cache()
+
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states.append(hidden_states)
+            if self.gradient_checkpointing and self.training:
+                hidden_states, attentions, _ = self._gradient_checkpointing_func(
+                    layer.__call__, hidden_states, attention_mask, None, False,
+                    output_attentions, cu_seqlens)
+            else:
+                hidden_states, attentions, past_key_values = layer(
+                    hidden_states, attention_mask=attention_mask,
+                    past_key_values=past_key_values, use_cache=use_cache,
+                    output_attentions=output_attentions, cu_seqlens=cu_seqlens)
+            if output_attentions:
+                all_attentions.append(attentions)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states.append(hidden_states)
+        cache = past_key_values if use_cache else None
+        if not return_dict:
+            return tuple(x for x in (hidden_states, cache, all_hidden_states, all_attentions)
+                         if x is not None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache,
+            hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
+            attentions=None if all_attentions is None else tuple(all_attentions))
+
+
+class FLAForCausalLM(FLAPreTrainedModel, GenerationMixin):
+    """The model plus a linear head over the vocabulary, a shifted next-token loss and
+    ``generate()`` with the recurrent cache. Subclasses set ``model_class``."""
+
+    model_class: type[FLAModel] = FLAModel
+    _tied_weights_keys = ({"lm_head.weight": "model.embeddings.weight"} if _TRANSFORMERS_V5
+                          else ["lm_head.weight"])
+    # The cache is this library's (recurrent states cannot be cropped): no assisted or
+    # contrastive decoding, and generate() must not build a DynamicCache of its own.
+    _is_stateful = True
+
+    def __init__(self, config: FLAConfig):
+        super().__init__(config)
+        self.model = self.model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.criterion = None
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def get_input_embeddings(self):
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value):
+        self.model.embeddings = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def get_decoder(self):
+        return self.model
+
+    def set_decoder(self, decoder):
+        self.model = decoder
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor | None = None,
+                                      past_key_values: Cache | None = None,
+                                      attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None,
+                                      use_cache: bool = True,
+                                      logits_to_keep: int | None = None, **kwargs):
+        """Feed only the tokens the cache has not seen (the whole prompt first)."""
+        if not isinstance(past_key_values, Cache):
+            past_key_values = None
+        seen = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if seen > 0:
+            # With inputs_embeds, generate() holds only the generated ids: take the last.
+            new = input_ids.shape[1] - seen
+            model_inputs = {"input_ids": input_ids[:, -(new if new > 0 else 1):].contiguous()}
+        elif inputs_embeds is not None:
+            model_inputs = {"inputs_embeds": inputs_embeds}
+        else:
+            model_inputs = {"input_ids": input_ids.contiguous()}
+        model_inputs.update(past_key_values=past_key_values, use_cache=use_cache,
+                            attention_mask=attention_mask)
+        if logits_to_keep is not None:
+            model_inputs["logits_to_keep"] = logits_to_keep
+        return model_inputs
+
+    def forward(self, input_ids: torch.LongTensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int | None = 0, cu_seqlens: torch.Tensor | None = None,
+                **kwargs: Any):
+        """Logits ``[B, T, vocab_size]`` (the last ``logits_to_keep`` positions when it
+        is > 0) and, with ``labels [B, T]`` (−100 ignored), the mean next-token loss:
+        position t predicts ``labels[t + 1]``."""
+        if labels is not None:
+            check_token_ids("labels", labels, self.config.vocab_size)
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            if labels.shape != shape:
+                raise ValueError(f"labels: expected the inputs' shape {tuple(shape)}, got "
+                                 f"{tuple(labels.shape)}")
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None \
+            else return_dict
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             inputs_embeds=inputs_embeds, past_key_values=past_key_values,
+                             use_cache=use_cache, output_attentions=output_attentions,
+                             output_hidden_states=output_hidden_states, return_dict=True,
+                             cu_seqlens=cu_seqlens)
+        hidden_states = outputs.last_hidden_state
+        loss, logits = None, None
+        fuse_linear = labels is not None and self.config.fuse_linear_cross_entropy
+        if not fuse_linear:
+            keep = hidden_states if labels is not None or not logits_to_keep \
+                else hidden_states[:, -logits_to_keep:]
+            logits = self.lm_head(keep)
+        if labels is not None:
+            # Next-token targets: shift left, the last position predicts nothing.
+            target = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
+            target = target.to(hidden_states.device).reshape(-1)
+            if fuse_linear:
+                loss = FusedLinearCrossEntropyLoss()(
+                    hidden_states.reshape(-1, hidden_states.shape[-1]), target,
+                    self.lm_head.weight, self.lm_head.bias)
+            elif self.config.fuse_cross_entropy:
+                loss = FusedCrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), target)
+            else:
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                   target, ignore_index=-100)
+        if not return_dict:
+            out = (logits, outputs.past_key_values, outputs.hidden_states, outputs.attentions)
+            out = tuple(x for x in out if x is not None)
+            return (loss, *out) if loss is not None else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
