@@ -1,0 +1,261 @@
+"""GLA (chunk and fused recurrent) against the float64 loop: outputs, final states and
+every gradient (q, k, v, gk, gv, initial_state), through the Triton kernels (interpreted
+on CPU: fp32, fp16, small shapes; bf16 at real shapes on the GPU) and the PyTorch paths.
+Gates are log-sigmoids of scaled normals clamped at −5 a step: over a 64-token chunk the
+cumulative gate reaches −320, where exp(γ) and exp(−γ) formed apart would overflow."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fla.ops.gla import chunk_gla, fused_recurrent_gla, naive_recurrent_gla
+from fla.ops.simple_gla import chunk_simple_gla
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    cu_seqlens_of,
+    generator,
+    odd_length,
+    randn,
+    uneven_lengths,
+)
+from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, run
+
+OPS = {"chunk": chunk_gla, "fused_recurrent": fused_recurrent_gla}
+FP32_NAMES = ("initial_state", "g", "gk", "gv")   # gates and states stay float32
+
+
+def log_sigmoid_gate(shape, gen, low=-5.0, spread=3.0):
+    """log σ(spread · x), x ~ N(0, 1), clamped at ``low``: many channels near 0, many
+    at the bottom of the range."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * spread
+    return F.logsigmoid(x).clamp(min=low)
+
+
+def make_inputs(gen, *, B, T, H, K, V, N=None, gv=False, h0=True, low=-5.0):
+    """float64 leaves: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]; gv; h0."""
+    N = B if N is None else N
+    x = {
+        "q": randn((B, T, H, K), gen, torch.float64),
+        "k": randn((B, T, H, K), gen, torch.float64, scale=K ** -0.5),
+        "v": randn((B, T, H, V), gen, torch.float64),
+        "g": log_sigmoid_gate((B, T, H, K), gen, low),
+        "initial_state": randn((N, H, K, V), gen, torch.float64, scale=0.5) if h0 else None,
+    }
+    if gv:
+        x["gv"] = log_sigmoid_gate((B, T, H, V), gen, low=-1.0, spread=1.0)
+    return x
+
+
+def leaves_of(inputs, dtype, device):
+    return {n: None if x is None else
+            x.to(torch.float32 if n in FP32_NAMES else dtype).to(device).detach()
+            .requires_grad_() for n, x in inputs.items()}
+
+
+def as_fused(fn):
+    """Call fn with GLA's chunk name ``g`` passed as fused_recurrent_gla's ``gk``."""
+    def call(g=None, **kw):
+        return fn(gk=g, **kw)
+    return call
+
+
+def naive(g=None, **kw):
+    return naive_recurrent_gla(gk=g, **kw)
+
+
+def compare(inputs, dtype, device, *, fn, gen, ref_fn=naive, tol=None, **kwargs):
+    """fn and the float64 loop on the same rounded inputs: o, final state, all gradients."""
+    B, T, H, V = inputs["v"].shape
+    K = inputs["q"].shape[-1]
+    cu = kwargs.get("cu_seqlens")
+    N = B if cu is None else cu.numel() - 1
+    do = randn((B, T, H, V), gen, torch.float64)
+    dht = randn((N, H, K, V), gen, torch.float64)
+    ref_kwargs = dict(kwargs)
+    if cu is not None:
+        ref_kwargs["cu_seqlens"] = cu.cpu()
+    ref_leaves = {n: None if x is None else x.detach().to(torch.float64).requires_grad_()
+                  for n, x in leaves_of(inputs, dtype, "cpu").items()}
+    o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
+    leaves = leaves_of(inputs, dtype, device)
+    o, ht, grads = run(fn, leaves, do, dht, **kwargs)
+    tol = TOLERANCE[dtype] if tol is None else tol
+    assert o.dtype == dtype and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
+    assert_rel_close("o", o, o_ref, tol)
+    assert_rel_close("final_state", ht, ht_ref, tol)
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
+            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+
+
+def op(mode):
+    return chunk_gla if mode == "chunk" else as_fused(fused_recurrent_gla)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("mode", list(OPS))
+def test_matches_float64_loop(mode, dtype, device, seed):
+    gen = generator(seed)
+    T = odd_length(gen, low=65, high=110)          # more than one chunk, never a multiple
+    compare(make_inputs(gen, B=2, T=T, H=1, K=16, V=32), dtype, device, fn=op(mode), gen=gen)
+
+
+@pytest.mark.interpret
+def test_chunk_wide_heads_fp16(device, seed):
+    """K = 96 (two K tiles of the backward, three 32-wide state tiles), V = 48."""
+    gen = generator(seed)
+    compare(make_inputs(gen, B=1, T=odd_length(gen, 65, 100), H=1, K=96, V=48),
+            torch.float16, device, fn=chunk_gla, gen=gen)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", list(OPS))
+def test_varlen_uneven_sequences(mode, device, seed):
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=100)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, K=16, V=16, N=3)
+    compare(inputs, torch.float32, device, fn=op(mode), gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, device))
+
+
+@pytest.mark.interpret
+def test_fused_recurrent_value_gate_and_reverse(device, seed):
+    """gk and gv together, run backwards in time over packed sequences: the reference is
+    the float64 loop on the sequences reversed."""
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=5, high=60)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=2, K=16, V=16, N=2, gv=True)
+    cu = cu_seqlens_of(lengths)
+    index = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in
+                       zip(cu[:-1].tolist(), cu[1:].tolist())])
+
+    def reversed_naive(q, k, v, g, gv, **kw):
+        flip = [x.index_select(1, index) for x in (q, k, v, g, gv)]
+        o, ht = naive_recurrent_gla(*flip[:3], gk=flip[3], gv=flip[4], **kw)
+        return o.index_select(1, index), ht
+
+    def fused(g, **kw):
+        return fused_recurrent_gla(gk=g, reverse=True, **kw)
+
+    compare(inputs, torch.float16, device, fn=fused, ref_fn=reversed_naive, gen=gen,
+            cu_seqlens=cu.to(device))
+
+
+@pytest.mark.interpret
+def test_head_first_and_scale(device, seed):
+    gen = generator(seed)
+
+    def head_first_op(q, k, v, g, initial_state, **kw):
+        o, ht = chunk_gla(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          g.transpose(1, 2), initial_state=initial_state, head_first=True, **kw)
+        return o.transpose(1, 2), ht
+
+    compare(make_inputs(gen, B=2, T=70, H=1, K=16, V=16), torch.float32, device,
+            fn=head_first_op, gen=gen, scale=0.3)
+
+
+@pytest.mark.interpret
+def test_chunk_equals_fused_recurrent(device, seed):
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=10, high=140)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, K=16, V=32, N=2)
+    cu = cu_seqlens_of(lengths, device)
+    do = torch.randn(inputs["v"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, dtype=torch.float64)
+    (o1, h1, g1), (o2, h2, g2) = [run(fn, leaves_of(inputs, torch.float32, device), do, dht,
+                                      cu_seqlens=cu)
+                                  for fn in (chunk_gla, as_fused(fused_recurrent_gla))]
+    assert_rel_close("o", o1, o2, 1e-4)
+    assert_rel_close("final_state", h1, h2, 1e-4)
+    for name in g1:
+        assert_rel_close(f"d{name}", g1[name], g2[name], 1e-4)
+
+
+@pytest.mark.interpret
+def test_gate_constant_over_k_equals_simple_gla(device, seed):
+    """A gate that is the same in every key channel is simple GLA's scalar gate; the
+    gradient of the scalar gate is the sum over K of GLA's."""
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=1, T=odd_length(gen, 65, 130), H=2, K=16, V=16)
+    scalar = log_sigmoid_gate(inputs["g"].shape[:3], gen)
+    do = torch.randn(inputs["v"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, dtype=torch.float64)
+    results = []
+    for vector in (True, False):
+        leaves = leaves_of({**inputs, "g": scalar}, torch.float32, device)
+        if vector:
+            g = leaves.pop("g")
+            fn = lambda **kw: chunk_gla(g=g.unsqueeze(-1).expand_as(leaves["q"]), **kw)  # noqa: E731
+            o, ht, grads = run(fn, leaves, do, dht)
+            grads["g"] = g.grad
+        else:
+            o, ht, grads = run(chunk_simple_gla, leaves, do, dht)
+        results.append((o, ht, grads))
+    (o1, h1, g1), (o2, h2, g2) = results
+    assert_rel_close("o", o1, o2, 1e-4)
+    assert_rel_close("final_state", h1, h2, 1e-4)
+    for name in g2:
+        assert_rel_close(f"d{name}", g1[name], g2[name], 1e-4)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("mode", list(OPS))
+def test_torch_paths_match_float64_loop(mode, dtype, seed, monkeypatch):
+    monkeypatch.setenv("FLA_BACKEND", "torch")
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=140)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=2, K=16, V=16, N=3)
+    compare(inputs, dtype, "cpu", fn=op(mode), gen=gen, cu_seqlens=cu_seqlens_of(lengths))
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("mode", list(OPS))
+def test_bad_inputs_are_refused(mode):
+    fn = op(mode)
+    q = torch.randn(1, 10, 2, 16)
+    v = torch.randn(1, 10, 2, 8)
+    g = -torch.rand(1, 10, 2, 16)
+    with pytest.raises(ValueError, match=r"g.*expected .*\[B, T, H, K\].*\(1, 10, 2, 8\)"):
+        fn(q=q, k=q, v=v, g=-torch.rand(1, 10, 2, 8))
+    with pytest.raises(ValueError, match=r"v: expected shape \[B, T, H, V\]"):
+        fn(q=q, k=q, v=torch.randn(1, 10, 3, 8), g=g)
+    with pytest.raises(ValueError, match=r"initial_state"):
+        fn(q=q, k=q, v=v, g=g, initial_state=torch.zeros(2, 2, 16, 8))
+    with pytest.raises(ValueError, match=r"cu_seqlens"):
+        fn(q=q, k=q, v=v, g=g, cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(TypeError, match=r"k"):
+        fn(q=q, k=q.long(), v=v, g=g)
+    with pytest.raises(ValueError, match=r"looks like a \[B, H, T, \.\.\.\] tensor"):
+        x = torch.randn(1, 4, 300, 16)   # [B, H, T, K] passed time-major
+        fn(q=x, k=x, v=x, g=-x.abs())
+    if mode == "fused_recurrent":
+        with pytest.raises(ValueError, match=r"gv: expected shape"):
+            fused_recurrent_gla(q, q, v, gk=g, gv=-torch.rand(1, 10, 2, 16))
+    else:
+        with pytest.raises(ValueError, match=r"g: chunk_gla needs"):
+            chunk_gla(q, q, v, None)
+
+
+# ------------------------------------------------------------------ GPU, real shapes
+GPU_SHAPES = {"2x1000x4x128": dict(B=2, T=1000, H=4, K=128, V=128),
+              "K=V=256": dict(B=1, T=300, H=2, K=256, V=256)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("mode", list(OPS))
+def test_gpu_bf16_real_shapes(mode, shape):
+    gen = generator(0x61a)
+    compare(make_inputs(gen, **GPU_SHAPES[shape]), torch.bfloat16, "cuda", fn=op(mode), gen=gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(OPS))
+def test_gpu_bf16_varlen(mode):
+    gen = generator(0x61b)
+    lengths = [1, 63, 700, 129, 1000]
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=4, K=128, V=128, N=len(lengths))
+    compare(inputs, torch.bfloat16, "cuda", fn=op(mode), gen=gen,
+            cu_seqlens=cu_seqlens_of(lengths, "cuda"))
