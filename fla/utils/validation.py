@@ -61,10 +61,14 @@ def check_tensor(name: str, x: object, *, dtypes: Sequence[torch.dtype] | None =
     return x
 
 
-def check_dtype(name: str, x: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
+def check_dtype(name: str, x: torch.Tensor, dtypes: Sequence[torch.dtype], *,
+                what: str | None = None) -> None:
+    """``x.dtype`` is one of ``dtypes``; ``what`` names the rule in the message (e.g.
+    "the dtype of q" for a tensor that must match another)."""
     if x.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in ({_names(dtypes)}), got "
-                        f"{_dtype_name(x.dtype)}")
+        expected = f"dtype in ({_names(dtypes)})" if what is None else \
+            f"{what} ({_names(dtypes)})"
+        raise TypeError(f"{name}: expected {expected}, got {_dtype_name(x.dtype)}")
 
 
 def token_layout(letters: str, head_first: bool) -> str:

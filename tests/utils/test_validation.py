@@ -61,6 +61,11 @@ def test_check_dtype_names_a_custom_allowed_set():
         check_dtype("g", t(2, dtype=torch.float16), (torch.float32,))
 
 
+def test_check_dtype_names_the_tensor_to_match():
+    with pytest.raises(TypeError, match=m("k: expected the dtype of q (float16), got float32")):
+        check_dtype("k", t(2), (torch.float16,), what="the dtype of q")
+
+
 def test_check_tensor_refuses_the_wrong_number_of_dims():
     with pytest.raises(ValueError, match=m("v: expected a 4-D tensor, got 3-D with shape "
                                            "(2, 3, 5)")):

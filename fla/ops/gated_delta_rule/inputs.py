@@ -14,6 +14,7 @@ from fla.utils.validation import (
     FLOAT_DTYPES,
     Dims,
     check_cu_seqlens,
+    check_dtype,
     check_head_dim,
     check_positive_length,
     check_same_device,
@@ -66,8 +67,13 @@ def prepare_gated_delta_inputs(q, k, v, g=None, beta=None, scale=None, initial_s
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` with ``HV`` a multiple of ``H``;
     g, beta ``[B, T, HV]``; initial_state ``[N, HV, K, V]``; cu_seqlens ``[N + 1]``.
     """
+    if not isinstance(head_first, bool):
+        raise TypeError(f"head_first: expected a bool, got {type(head_first).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, dtypes=FLOAT_DTYPES)
+    # q and k meet in one matrix product (q·kᵀ inside a chunk), which takes one dtype;
+    # v may differ (the output takes v's dtype).
+    check_dtype("k", k, (q.dtype,), what="the dtype of q")
     dims = Dims()
     check_shape("q", q, token_layout("B T H K", head_first), dims)
     check_shape("k", k, token_layout("B T H K", head_first), dims)
