@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--resources", action="store_true",
                    help="registers, stack, local (spill) and shared memory per kernel")
     p.add_argument("--ops", default="gated_delta_rule",
-                   help="comma-separated families: gated_delta_rule, simple_gla, dplr")
+                   help="comma-separated families: gated_delta_rule, simple_gla, dplr, "
+                        "gla, rwkv6")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     B, T, H, D = (int(x) for x in args.shape.split("x"))
@@ -160,7 +161,11 @@ def main(argv=None) -> int:
     from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
     from fla.ops.generalized_delta_rule import (chunk_dplr_delta_rule,
                                                 fused_recurrent_dplr_delta_rule)
+    from fla.ops.gla import chunk_gla, fused_recurrent_gla
+    from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
     families = {
+        "gla": (chunk_gla, fused_recurrent_gla),
+        "rwkv6": (chunk_rwkv6, fused_recurrent_rwkv6),
         "gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
         "simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
         "dplr": (chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule),
@@ -182,6 +187,16 @@ def main(argv=None) -> int:
                 a, b = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
                         for _ in range(2))
                 o, ht = op(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
+            elif family in ("gla", "rwkv6"):  # vector gate [B, T, H, K] like q
+                gk = torch.rand(B, T, H, D).neg().requires_grad_()
+                if family == "rwkv6":
+                    u = torch.randn(H, D, dtype=dtype, requires_grad=True)
+                    o, ht = op(q, k, v, gk, u, initial_state=h0, output_final_state=True)
+                elif op is chunk_gla:
+                    o, ht = op(q, k, v, gk, initial_state=h0, output_final_state=True)
+                else:  # the recurrent kernels with both gates
+                    gv = torch.rand(B, T, H, D).neg().requires_grad_()
+                    o, ht = op(q, k, v, gk, gv, initial_state=h0, output_final_state=True)
             elif family == "gated_delta_rule":
                 beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
                 o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -50,7 +50,7 @@ def _space(args) -> list[Config]:
     bk = tile_width(args["K"], 64)
     return list(dict.fromkeys(
         Config(BK=bk, BV=tile_width(args["V"], bv), num_warps=w, num_stages=s)
-        for bv in (32, 64) for w in (2, 4, 8) for s in (1, 2, 3)))
+        for bv in (32, 64) for w in (4, 8) for s in (1, 2)))
 
 
 @tuned(key=["K", "V", "q", "EXCLUSIVE"], default=_default, space=_space)

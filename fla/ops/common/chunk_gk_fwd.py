@@ -48,7 +48,7 @@ def _space(args) -> list[Config]:
     return list(dict.fromkeys(
         Config(BK=tile_width(args["K"], bk), BV=tile_width(args["V"], bv), num_warps=w,
                num_stages=s)
-        for bk in (32, 64) for bv in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3)))
+        for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)))
 
 
 @triton.jit
