@@ -295,7 +295,7 @@ CASES: list[Case] = [
     # ---- delta rule (wrappers of the gated delta rule)
     Case("delta/beta_wrong_shape", lambda d: chunk_delta_rule(*qkv(d), beta=beta_(d)[..., :1]),
          ValueError, ["beta:", f"HV is 1 here but {H} in v"]),
-    Case("delta/k_float16_vs_q_float32", lambda d: fused_recurrent_delta_rule(
+    Case("delta/initial_state_bool", lambda d: fused_recurrent_delta_rule(
         *qkv(d), beta=beta_(d), initial_state=torch.ones(B, H, K, V, dtype=torch.bool, device=d)),
          TypeError, ["initial_state:", "float32", "got bool"]),
     # ---- simple GLA and retention
@@ -357,7 +357,8 @@ CASES: list[Case] = [
     Case("ssd/T_0", lambda d: ssd(d, x=t(d, MB, 0, MH, MP), dt=torch.rand(MB, 0, MH, device=d),
                                   B=t(d, MB, 0, MG, MN), C=t(d, MB, 0, MG, MN)), ValueError,
          ["sequence length", "T >= 1", "T = 0"]),
-    Case("ssd/empty_batch", lambda d: ssd(d, x=t(d, 0, MT, MH, MP), dt=torch.rand(0, MT, MH, device=d),
+    Case("ssd/empty_batch", lambda d: ssd(d, x=t(d, 0, MT, MH, MP),
+                                          dt=torch.rand(0, MT, MH, device=d),
                                           B=t(d, 0, MT, MG, MN), C=t(d, 0, MT, MG, MN)), ValueError,
          ["batch size", "b >= 1", "b = 0"]),
     Case("ssd/zero_groups", lambda d: ssd(d, B=t(d, MB, MT, 0, MN), C=t(d, MB, MT, 0, MN)),
@@ -442,6 +443,15 @@ CASES: list[Case] = [
     Case("rotary/cu_seqlens_not_ending_at_T", lambda d: rotary(
         d, q=t(d, 1, T, H, K), k=t(d, 1, T, H, K), cu_seqlens=idx(d, [0, 2, 5])), ValueError,
          ["cu_seqlens:", f"T = {T}", "got 5"]),
+    Case("rotary/cu_seqlens_with_batch_2", lambda d: rotary(d, cu_seqlens=idx(d, [0, 3, T])),
+         ValueError, ["cu_seqlens:", "B == 1", f"B = {B}"]),
+    Case("rotary/offsets_wrong_shape", lambda d: rotary(d, seqlen_offset=idx(d, [1, 2, 3])),
+         ValueError, ["seqlen_offset:", f"[B] = [{B}]", "(3,)"]),
+    Case("rotary/q_float64", lambda d: rotary(d, q=t(d, B, T, H, K, dtype=F64)), TypeError,
+         ["q:", "float32", "got float64"]),
+    Case("conv/cu_seqlens_float", lambda d: conv(d, x=t(d, 1, T, 32),
+                                                 cu_seqlens=idx(d, [0, 3, T], F32)), TypeError,
+         ["cu_seqlens:", "int32, int64", "got float32"]),
     Case("conv/channels_mismatch", lambda d: conv(d, x=t(d, B, T, 48)), ValueError,
          ["x:", "hidden_size = 32", f"({B}, {T}, 48)"]),
     Case("conv/x_rank2", lambda d: conv(d, x=t(d, T, 32)), ValueError, ["x:", "3-D", "2-D"]),
@@ -459,11 +469,14 @@ CASES: list[Case] = [
     Case("mlp/x_bf16_weights_fp32", lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(
         t(d, 4, 32).bfloat16()), TypeError, ["x:", "float32", "got bfloat16"]),
     Case("mlp/x_int", lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(
-        torch.ones(4, 32, dtype=torch.int64, device=d)), TypeError, ["x:", "floating", "got int64"]),
+        torch.ones(4, 32, dtype=torch.int64, device=d)), TypeError,
+         ["x:", "floating", "got int64"]),
     Case("ce/token_id_ge_vocab", lambda d: ce(d, target=idx(d, [1, 2, 3, 50, 5, 6])), ValueError,
          ["target:", "[0, 50)", "max 50"]),
     Case("ce/token_id_negative", lambda d: ce(d, target=idx(d, [1, 2, -3, 4, 5, 6])), ValueError,
          ["target:", "[0, 50)", "min -3"]),
+    Case("ce/logits_float64", lambda d: ce(d, logits=t(d, 6, 50, dtype=F64)), TypeError,
+         ["logits:", "float32", "got float64"]),
     Case("ce/target_float", lambda d: ce(d, target=t(d, 6)), TypeError,
          ["target:", "integer dtype", "float32"]),
     Case("ce/target_wrong_rows", lambda d: ce(d, target=idx(d, [1, 2, 3])), ValueError,
@@ -656,7 +669,8 @@ STRIDED = [
             lambda **kw: torch.manual_seed(0) and M.ShortConvolution(32, 4).to(
                 kw["x"].device)(**kw)[0], ["x"]),
     Strided("l2_norm", lambda d: dict(x=t(d, 6, 32)), lambda **kw: M.l2_norm(**kw), ["x"]),
-    Strided("FusedCrossEntropyLoss", lambda d: dict(logits=t(d, 6, 50), target=idx(d, [1, 2, 3, 4, 5, 6])),
+    Strided("FusedCrossEntropyLoss",
+            lambda d: dict(logits=t(d, 6, 50), target=idx(d, [1, 2, 3, 4, 5, 6])),
             lambda **kw: M.cross_entropy_loss(**kw, reduction="none"), ["logits", "target"]),
     Strided("FusedLinearCrossEntropyLoss",
             lambda d: dict(x=t(d, 6, 32), target=idx(d, [1, 2, 3, 4, 5, 6]), weight=t(d, 50, 32)),

@@ -238,7 +238,8 @@ def check_scale(scale: float | None, default: float) -> float:
         return default
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"scale: expected a number, got a tensor of shape {tuple(scale.shape)}")
+            raise ValueError(f"scale: expected a number, got a tensor of shape "
+                             f"{tuple(scale.shape)}")
         scale = float(scale)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
