@@ -10,7 +10,9 @@ the recurrent one taken automatically for single-token steps; the layer's state 
 from fla.layers.attn import Attention
 from fla.layers.delta_net import DeltaNet
 from fla.layers.gated_deltanet import GatedDeltaNet
+from fla.layers.gla import GatedLinearAttention
 from fla.layers.mamba2 import Mamba2
 from fla.layers.multiscale_retention import MultiScaleRetention
 
-__all__ = ["Attention", "DeltaNet", "GatedDeltaNet", "Mamba2", "MultiScaleRetention"]
+__all__ = ["Attention", "DeltaNet", "GatedDeltaNet", "GatedLinearAttention", "Mamba2",
+           "MultiScaleRetention"]

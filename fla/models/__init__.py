@@ -1,4 +1,4 @@
-"""Hugging Face models: ``{DeltaNet, GatedDeltaNet, RetNet, Mamba2, Transformer}{Config,
+"""Hugging Face models: ``{DeltaNet, GatedDeltaNet, GLA, RetNet, Mamba2, Transformer}{Config,
 Model, ForCausalLM}``, registered with transformers' AutoConfig / AutoModel /
 AutoModelForCausalLM on import (``import fla`` imports this package), and the
 generation :class:`Cache`."""
@@ -10,6 +10,7 @@ from fla.models.gated_deltanet import (
     GatedDeltaNetForCausalLM,
     GatedDeltaNetModel,
 )
+from fla.models.gla import GLAConfig, GLAForCausalLM, GLAModel
 from fla.models.mamba2 import Mamba2Config, Mamba2ForCausalLM, Mamba2Model
 from fla.models.retnet import RetNetConfig, RetNetForCausalLM, RetNetModel
 from fla.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerModel
@@ -18,6 +19,7 @@ from fla.models.utils import Cache
 MODELS = {
     DeltaNetConfig: (DeltaNetModel, DeltaNetForCausalLM),
     GatedDeltaNetConfig: (GatedDeltaNetModel, GatedDeltaNetForCausalLM),
+    GLAConfig: (GLAModel, GLAForCausalLM),
     RetNetConfig: (RetNetModel, RetNetForCausalLM),
     Mamba2Config: (Mamba2Model, Mamba2ForCausalLM),
     TransformerConfig: (TransformerModel, TransformerForCausalLM),

@@ -9,7 +9,14 @@ import copy
 import pytest
 import torch
 
-from fla.layers import Attention, DeltaNet, GatedDeltaNet, Mamba2, MultiScaleRetention
+from fla.layers import (
+    Attention,
+    DeltaNet,
+    GatedDeltaNet,
+    GatedLinearAttention,
+    Mamba2,
+    MultiScaleRetention,
+)
 from fla.models.utils import Cache
 from tests.helpers import assert_rel_close, generator
 
@@ -18,6 +25,8 @@ LAYERS = {
     "delta_net": lambda mode: DeltaNet(D, num_heads=4, mode=mode, use_gate=True, layer_idx=0),
     "gated_deltanet": lambda mode: GatedDeltaNet(D, head_dim=16, num_heads=2, num_v_heads=4,
                                                  mode=mode, layer_idx=0),
+    "gla": lambda mode: GatedLinearAttention(D, num_heads=4, mode=mode, use_short_conv=True,
+                                             layer_idx=0),
     "retention": lambda mode: MultiScaleRetention(D, num_heads=4, mode=mode, layer_idx=0),
     "retention_conv": lambda mode: MultiScaleRetention(D, num_heads=4, mode=mode,
                                                        use_short_conv=True, layer_idx=0),
@@ -140,8 +149,8 @@ FULLGRAPH = {"delta_net": False, "gated_deltanet": False}
 # no_poison: the poisoned torch.empty of conftest asks numel() == 0 of every allocation,
 # a guard dynamo cannot take on the data-dependent sizes of the varlen index helpers.
 @pytest.mark.no_poison
-@pytest.mark.parametrize("name", ["delta_net", "gated_deltanet", "retention", "mamba2",
-                                  "attention"])
+@pytest.mark.parametrize("name", ["delta_net", "gated_deltanet", "gla", "retention",
+                                  "mamba2", "attention"])
 def test_torch_compile(name, seed):
     layer = make(name)
     x = inputs(seed, 2, 20)
