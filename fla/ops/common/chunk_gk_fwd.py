@@ -146,33 +146,31 @@ def chunk_gk_fwd_o_kernel(
             tl.store(p_A + i_r * 16 + o_c[None, :], b_Ad.to(A.dtype.element_ty),
                      mask=m_r[:, None])
 
-            b_Ac = b_A.to(dt)
-            b_Adc = b_Ad.to(dt)
-            for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_v = o_v < V
-                b_o = tl.zeros([16, BV], dtype=tl.float32)
-                for i_k in range(tl.cdiv(K, BK)):
-                    o_k = i_k * BK + tl.arange(0, BK)
-                    m_rk = m_r[:, None] & (o_k < K)[None, :]
-                    p_rk = qk_base + rows[:, None] * (H * K) + o_k[None, :]
-                    b_q = tl.load(q + p_rk, mask=m_rk, other=0.).to(tl.float32)
-                    # γq is chunk-local and ≤ 0: exp(γq) ≤ 1.
-                    b_gq = tl.load(gq + p_rk, mask=m_rk, other=0.).to(tl.float32)
-                    b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :],
-                                  mask=(o_k < K)[:, None] & m_v[None, :], other=0.)
-                    b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_h.to(dt), b_o,
-                                 input_precision=DOT_PRECISION)
-                if i_r > 0:
-                    p_tv = v + v_base + o_t[:, None] * (H * V) + o_v[None, :]
-                    b_v = tl.load(p_tv, mask=(o_t < i_r * 16)[:, None] & m_v[None, :],
-                                  other=0.)
-                    b_o = tl.dot(b_Ac, b_v.to(dt), b_o, input_precision=DOT_PRECISION)
-                b_vd = tl.load(v + v_base + rows[:, None] * (H * V) + o_v[None, :],
-                               mask=m_r[:, None] & m_v[None, :], other=0.)
-                b_o = tl.dot(b_Adc, b_vd.to(dt), b_o, input_precision=DOT_PRECISION)
-                tl.store(o + v_base + rows[:, None] * (H * V) + o_v[None, :],
-                         (b_o * scale).to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    # The output at full 64-row tiles (16-row dots waste most of a tensor core): A is
+    # read back from memory, so every thread's stores above must land first.
+    tl.debug_barrier()
+    p_a = A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
+    b_Aall = tl.load(p_a, mask=m_t[:, None] & m_t[None, :], other=0.).to(dt)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_o = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            p_tk = qk_base + o_t[:, None] * (H * K) + o_k[None, :]
+            b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            # γq is chunk-local and ≤ 0: exp(γq) ≤ 1.
+            b_gq = tl.load(gq + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :],
+                          mask=(o_k < K)[:, None] & m_v[None, :], other=0.)
+            b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_h.to(dt), b_o,
+                         input_precision=DOT_PRECISION)
+        p_tv = v_base + o_t[:, None] * (H * V) + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(dt)
+        b_o = tl.dot(b_Aall, b_v, b_o, input_precision=DOT_PRECISION)
+        tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
 def chunk_gk_fwd_o(q, k, v, g, gq, h, scale: float, cu_seqlens=None, chunk_indices=None,
