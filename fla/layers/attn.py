@@ -117,6 +117,10 @@ class Attention(nn.Module):
             k = torch.cat([state["attn_state"][0], k], dim=1)
             v = torch.cat([state["attn_state"][1], v], dim=1)
         L = k.shape[1]
+        if attention_mask is not None and attention_mask.shape[-1] < L:
+            raise ValueError(f"attention_mask: covers {attention_mask.shape[-1]} positions, "
+                             f"but the queries attend {L} (cached and new); pass the mask of "
+                             f"every position seen so far")
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

@@ -132,7 +132,9 @@ class Mamba2(nn.Module):
             y, final = out if use_cache else (out, None)
         elif T == 1 and cu_seqlens is None and not (torch.is_grad_enabled() and any(
                 p.requires_grad for p in self.parameters())):
-            y, final = self._step(x, dt, A, Bm, Cm, h0)
+            # The kernel updates the state in place: a copy unless it is to be stored.
+            y, final = self._step(x, dt, A, Bm, Cm, h0 if h0 is None or use_cache
+                                  else h0.clone())
         else:
             y, final = self._recurrent(x, dt, A, Bm, Cm, h0, use_cache, cu_seqlens)
         if past_key_values is not None and use_cache:

@@ -109,7 +109,11 @@ def seen_tokens(past_key_values, layer_idx: int | None) -> int:
 def short_conv(conv, x: torch.Tensor, cache: torch.Tensor | None, use_cache: bool,
                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
     """Run a :class:`fla.modules.ShortConvolution` on ``x [B, T, D]`` with its padded
-    positions zeroed first; returns ``(y, new_cache or None)``."""
+    positions zeroed first; returns ``(y, new_cache or None)``. A single-token step
+    updates the cache in place, so without ``use_cache`` it runs on a copy: a call that
+    does not store its state must leave the stored one as it was."""
+    if cache is not None and not use_cache:
+        cache = cache.clone()
     return conv(mask_tokens(x, mask), cache=cache, output_final_state=use_cache,
                 cu_seqlens=cu_seqlens)
 

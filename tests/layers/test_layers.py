@@ -82,6 +82,20 @@ def test_decode_equals_full(name, seed):
         for t in range(9, 21):
             outs.append(layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
     assert cache.get_seq_length(0) == 21
+    # A step without use_cache reads the cache but leaves it as it was.
+    before = copy.deepcopy(cache.states)
+    with torch.no_grad():
+        layer(x[:, :1], past_key_values=cache, use_cache=False)
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, (tuple, list)):
+            return all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return all(same(a[k], b[k]) for k in a)
+        return a is None and b is None
+    assert same(cache.states, before) and cache.get_seq_length(0) == 21
     assert_rel_close("prefill + steps", torch.cat(outs, 1), full, 1e-4)
 
 

@@ -294,7 +294,8 @@ def test_gpu_model(name, seed):
         steps = [model(ids[:, :190], past_key_values=cache, use_cache=True).logits]
         for t in range(190, 200):
             steps.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
-        assert_rel_close("decode fp32", torch.cat(steps, 1), ref, 1e-3)
+        # The kernels' fp32 dots may run in TF32: a looser bar than the CPU tests' 1e-4.
+        assert_rel_close("decode fp32", torch.cat(steps, 1), ref, 5e-3)
         half = model.to(torch.bfloat16)
         assert_rel_close("bf16", half(ids).logits, ref, 5e-2)
     mask = torch.ones_like(ids[:, :32])
