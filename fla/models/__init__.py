@@ -35,7 +35,28 @@ def _register() -> None:
         AutoModelForCausalLM.register(config, causal_lm, exist_ok=True)
 
 
+def _register_gate_up_merge() -> None:
+    """transformers 5 loads checkpoints without ``load_state_dict``, so GatedMLP's hook
+    that merges separate ``gate_proj`` / ``up_proj`` weights (the reference library's
+    checkpoints) never runs there: declare the merge as a weight conversion instead.
+    transformers 4.x loads through ``load_state_dict`` and the hook does it."""
+    try:
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Concatenate, WeightConverter
+    except ImportError:
+        return
+    for config, classes in MODELS.items():
+        if not config.use_mlp:
+            continue
+        for cls in classes:
+            register_checkpoint_conversion_mapping(cls.__name__, [WeightConverter(
+                source_patterns=[r"\.mlp\.gate_proj\.weight", r"\.mlp\.up_proj\.weight"],
+                target_patterns=r"\.mlp\.gate_up_proj\.weight",
+                operations=[Concatenate(dim=0)])], overwrite=True)
+
+
 _register()
+_register_gate_up_merge()
 
 __all__ = ["Cache", "MODELS"] + [cls.__name__ for config, pair in MODELS.items()
                                  for cls in (config, *pair)]

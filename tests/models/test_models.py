@@ -313,3 +313,29 @@ def test_gpu_model(name, seed):
         loss.backward()
         optimizer.step()
     assert losses[-1] < losses[0], losses
+
+
+def test_loads_separate_gate_and_up_weights(tmp_path, seed):
+    """Checkpoints with ``mlp.gate_proj`` / ``mlp.up_proj`` (the reference library's) load
+    into the packed ``gate_up_proj``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = make("gated_deltanet")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    split = {}
+    for key, value in load_file(path).items():
+        if key.endswith("mlp.gate_up_proj.weight"):
+            gate, up = value.chunk(2, 0)
+            prefix = key[:-len("gate_up_proj.weight")]
+            split[prefix + "gate_proj.weight"] = gate.contiguous()
+            split[prefix + "up_proj.weight"] = up.contiguous()
+        else:
+            split[key] = value
+    assert any(k.endswith("mlp.gate_proj.weight") for k in split)
+    save_file(split, path, metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids(seed, 1, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
