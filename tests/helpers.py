@@ -24,6 +24,13 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def reference_device(device) -> str:
+    """Where the float64 reference loop runs: on the GPU when the fast path does (a step
+    loop of small float64 kernels takes well under a second there, minutes on the CPU at
+    real shapes), else on the CPU."""
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere in ``out`` gives inf."""
     out64 = out.detach().to(torch.float64).cpu()

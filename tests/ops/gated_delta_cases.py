@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-from tests.helpers import TOLERANCE, assert_rel_close, log_gate, randn, unit_interval
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    log_gate,
+    randn,
+    reference_device,
+    unit_interval,
+)
 
 INTERPRETER_DTYPES = [torch.float32, torch.float16]
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -64,9 +71,10 @@ def compare(inputs, dtype, device, *, fn,
     ref_kwargs = dict(kwargs, use_qk_l2norm=l2)
     if "cu_seqlens" in ref_kwargs and ref_kwargs["cu_seqlens"] is not None:
         ref_kwargs["cu_seqlens"] = ref_kwargs["cu_seqlens"].cpu()
+    ref_dev = reference_device(device)
     ref_leaves = {n: None if x is None else
                   x.to(state_dtype if n == "initial_state" else dtype).to(torch.float64)
-                  .detach().requires_grad_() for n, x in inputs.items()}
+                  .to(ref_dev).detach().requires_grad_() for n, x in inputs.items()}
     o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
 
     leaves = cast(inputs, dtype, device, state_dtype)

@@ -25,6 +25,7 @@ from tests.helpers import (
     cu_seqlens_of,
     generator,
     randn,
+    reference_device,
     uneven_lengths,
 )
 
@@ -93,7 +94,7 @@ def compare_chunk(inputs, dtype, device, gen, *, chunk_size=64, cu_seqlens=None,
     dht = randn((Ns, H, P, N), gen, torch.float64)
 
     ref_leaves = {n: None if t is None else t.detach().to(torch.float64).requires_grad_()
-                  for n, t in leaves_of(inputs, dtype, "cpu").items()}
+                  for n, t in leaves_of(inputs, dtype, reference_device(device)).items()}
     y_ref, ht_ref, g_ref = run_chunk(naive_ssd, ref_leaves, dy, dht, cu_seqlens=cu_seqlens,
                                      **options)
 

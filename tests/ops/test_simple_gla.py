@@ -24,6 +24,7 @@ from tests.helpers import (
     log_gate,
     odd_length,
     randn,
+    reference_device,
     uneven_lengths,
 )
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, run
@@ -59,7 +60,8 @@ def compare(inputs, dtype, device, *, fn, ref_fn=naive_recurrent_simple_gla, gen
         ref_kwargs["cu_seqlens"] = cu.cpu()
     ref_leaves = {n: None if x is None else
                   x.to(torch.float32 if n in ("initial_state", "g", "g_gamma") else dtype)
-                  .to(torch.float64).detach().requires_grad_() for n, x in inputs.items()}
+                  .to(torch.float64).to(reference_device(device)).detach().requires_grad_()
+                  for n, x in inputs.items()}
     o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
     leaves = {}
     for name, x in inputs.items():
@@ -239,7 +241,7 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
     do = randn(inputs["v"].shape, gen, torch.float64)
     dht = randn(inputs["initial_state"].shape, gen, torch.float64)
     leaves = cast(inputs, torch.bfloat16, "cpu")
-    ref_leaves = {n: None if x is None else x.detach().double().requires_grad_()
+    ref_leaves = {n: None if x is None else x.detach().double().cuda().requires_grad_()
                   for n, x in leaves.items()}
     o_ref, h_ref, g_ref = run(naive_recurrent_simple_gla, ref_leaves, do, dht)
     refs = [o_ref, h_ref] + [g_ref[n] for n in ("q", "k", "v", "g", "initial_state")]
