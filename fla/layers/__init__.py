@@ -13,6 +13,9 @@ from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.layers.gla import GatedLinearAttention
 from fla.layers.mamba2 import Mamba2
 from fla.layers.multiscale_retention import MultiScaleRetention
+from fla.layers.rwkv6 import RWKV6Attention, RWKV6FeedForward
+from fla.layers.rwkv7 import RWKV7Attention, RWKV7FeedForward
 
 __all__ = ["Attention", "DeltaNet", "GatedDeltaNet", "GatedLinearAttention", "Mamba2",
-           "MultiScaleRetention"]
+           "MultiScaleRetention", "RWKV6Attention", "RWKV6FeedForward", "RWKV7Attention",
+           "RWKV7FeedForward"]

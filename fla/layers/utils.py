@@ -144,3 +144,26 @@ def init_time_step_bias(n: int, dt_min: float = 0.001, dt_max: float = 0.1,
                                     torch.log(torch.tensor(dt_min))) +
                    torch.log(torch.tensor(dt_min)))
     return inverse_softplus(dt.clamp(min=dt_floor))
+
+
+def token_shift(x: torch.Tensor, state: torch.Tensor | None, mask: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None):
+    """RWKV's token shift: each token's predecessor in its own sequence.
+
+    ``x [B, T, D]`` (padded positions zeroed first, so that a sequence's first real token
+    sees zeros, as it would alone); ``state [N, D]`` the last token of the previous call
+    (None: zeros), N = B or the number of packed sequences. Returns ``(x_prev [B, T, D],
+    new_state [N, D])``: the last token of every sequence, the next call's ``state``.
+    """
+    x = mask_tokens(x, mask)
+    B, T, D = x.shape
+    if cu_seqlens is None:
+        first = x.new_zeros(B, 1, D) if state is None else state.to(x.dtype).unsqueeze(1)
+        return torch.cat([first, x[:, :-1]], 1), x[:, -1]
+    # Packed sequences (B == 1): every sequence start takes its own state (or zeros).
+    N = cu_seqlens.shape[0] - 1
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    first = x.new_zeros(N, D) if state is None else state.to(x.dtype)
+    x_prev = torch.cat([x.new_zeros(1, 1, D), x[:, :-1]], 1)
+    x_prev = x_prev.index_copy(1, starts, first.unsqueeze(0))
+    return x_prev, x[0].index_select(0, ends - 1)

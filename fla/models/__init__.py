@@ -4,6 +4,7 @@ AutoModelForCausalLM on import (``import fla`` imports this package), and the
 generation :class:`Cache`."""
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from fla.models.base import FLAConfig
 from fla.models.delta_net import DeltaNetConfig, DeltaNetForCausalLM, DeltaNetModel
 from fla.models.gated_deltanet import (
     GatedDeltaNetConfig,
@@ -13,6 +14,8 @@ from fla.models.gated_deltanet import (
 from fla.models.gla import GLAConfig, GLAForCausalLM, GLAModel
 from fla.models.mamba2 import Mamba2Config, Mamba2ForCausalLM, Mamba2Model
 from fla.models.retnet import RetNetConfig, RetNetForCausalLM, RetNetModel
+from fla.models.rwkv6 import RWKV6Config, RWKV6ForCausalLM, RWKV6Model
+from fla.models.rwkv7 import RWKV7Config, RWKV7ForCausalLM, RWKV7Model
 from fla.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerModel
 from fla.models.utils import Cache
 
@@ -21,6 +24,8 @@ MODELS = {
     GatedDeltaNetConfig: (GatedDeltaNetModel, GatedDeltaNetForCausalLM),
     GLAConfig: (GLAModel, GLAForCausalLM),
     RetNetConfig: (RetNetModel, RetNetForCausalLM),
+    RWKV6Config: (RWKV6Model, RWKV6ForCausalLM),
+    RWKV7Config: (RWKV7Model, RWKV7ForCausalLM),
     Mamba2Config: (Mamba2Model, Mamba2ForCausalLM),
     TransformerConfig: (TransformerModel, TransformerForCausalLM),
 }
@@ -46,8 +51,8 @@ def _register_gate_up_merge() -> None:
     except ImportError:
         return
     for config, classes in MODELS.items():
-        if not config.use_mlp:
-            continue
+        if not config.use_mlp or config.build_mlp is not FLAConfig.build_mlp:
+            continue  # no GatedMLP in the blocks
         for cls in classes:
             register_checkpoint_conversion_mapping(cls.__name__, [WeightConverter(
                 source_patterns=[r"\.mlp\.gate_proj\.weight", r"\.mlp\.up_proj\.weight"],

@@ -39,6 +39,10 @@ def _positive_int(name: str, value) -> None:
 class FLAConfig(PretrainedConfig):
     """Fields shared by every architecture (names as in Flash Linear Attention's configs).
 
+    Hooks an architecture overrides: :meth:`build_mixer` (always), :meth:`build_mlp`
+    (the block's feed-forward; default the gated MLP, none when ``use_mlp`` is False) and
+    :meth:`build_norm` (the blocks' and the final norm; default RMSNorm).
+
     Args:
         vocab_size, hidden_size, num_hidden_layers: the usual.
         hidden_ratio, intermediate_size, hidden_act, fuse_swiglu: the gated MLP of each
@@ -90,6 +94,18 @@ class FLAConfig(PretrainedConfig):
         """The architecture's token mixer for layer ``layer_idx`` (subclasses)."""
         raise NotImplementedError(f"{type(self).__name__} does not define build_mixer")
 
+    def build_mlp(self, layer_idx: int) -> nn.Module:
+        """The block's feed-forward (used when ``use_mlp``): ``mlp(x, attention_mask=,
+        past_key_values=, use_cache=, cu_seqlens=, shared_state=) -> y``; stateless ones
+        ignore the keywords, RWKV's channel mixes keep a token-shift state in the cache."""
+        return GatedMLP(self.hidden_size, self.hidden_ratio, self.intermediate_size,
+                        self.hidden_act, fuse_swiglu=self.fuse_swiglu)
+
+    def build_norm(self) -> nn.Module:
+        """The pre-norms of each block and the final norm (with ``residual`` and
+        ``prenorm`` arguments, as :class:`fla.modules.RMSNorm`)."""
+        return RMSNorm(self.hidden_size, eps=self.norm_eps)
+
     def is_attention_layer(self, layer_idx: int) -> bool:
         return self.attn is not None and layer_idx in self.attn["layers"]
 
@@ -131,37 +147,41 @@ class FLAConfig(PretrainedConfig):
             for is_attn, i in kinds.items():
                 self.build_attention(i) if is_attn else self.build_mixer(i)
             if self.use_mlp:
-                GatedMLP(self.hidden_size, self.hidden_ratio, self.intermediate_size,
-                         self.hidden_act)
+                self.build_mlp(0)
+            self.build_norm()
 
 
 class FLABlock(nn.Module):
     """``x + mixer(norm(x))``, then ``x + mlp(norm(x))`` (the second norm adds the
-    residual in the same kernel)."""
+    residual in the same kernel).
+
+    ``shared_state``: a dict that lives for one forward of the model and is handed to
+    every mixer and MLP, which may read and write it (RWKV7 puts layer 0's values there
+    for the value residual of the later layers). Mixers that do not use it ignore it."""
 
     def __init__(self, config: FLAConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = config.build_norm()
         self.attn = (config.build_attention(layer_idx) if config.is_attention_layer(layer_idx)
                      else config.build_mixer(layer_idx))
         if config.use_mlp:
-            self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-            self.mlp = GatedMLP(config.hidden_size, config.hidden_ratio,
-                                config.intermediate_size, config.hidden_act,
-                                fuse_swiglu=config.fuse_swiglu)
+            self.mlp_norm = config.build_norm()
+            self.mlp = config.build_mlp(layer_idx)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: Cache | None = None, use_cache: bool = False,
-                output_attentions: bool = False, cu_seqlens: torch.Tensor | None = None):
+                output_attentions: bool = False, cu_seqlens: torch.Tensor | None = None,
+                shared_state: dict | None = None):
         residual = hidden_states
         hidden_states = self.attn_norm(hidden_states)
+        context = dict(attention_mask=attention_mask, past_key_values=past_key_values,
+                       use_cache=use_cache, cu_seqlens=cu_seqlens, shared_state=shared_state)
         hidden_states, attentions, past_key_values = self.attn(
-            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
-            use_cache=use_cache, output_attentions=output_attentions, cu_seqlens=cu_seqlens)
+            hidden_states, output_attentions=output_attentions, **context)
         if hasattr(self, "mlp"):
             hidden_states, residual = self.mlp_norm(hidden_states, residual, prenorm=True)
-            hidden_states = self.mlp(hidden_states)
+            hidden_states = self.mlp(hidden_states, **context)
         return residual + hidden_states, attentions, past_key_values
 
 
@@ -216,7 +236,7 @@ class FLAModel(FLAPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(FLABlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = config.build_norm()
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -279,18 +299,20 @@ class FLAModel(FLAPreTrainedModel):
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
+        shared_state: dict[str, torch.Tensor] = {}  # see FLABlock
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
             if self.gradient_checkpointing and self.training:
-                hidden_states, attentions, _ = self._gradient_checkpointing_func(
-                    layer.__call__, hidden_states, attention_mask, None, False,
-                    output_attentions, cu_seqlens)
+                hidden_states, attentions = self._checkpointed(
+                    layer, hidden_states, attention_mask, output_attentions, cu_seqlens,
+                    shared_state)
             else:
                 hidden_states, attentions, past_key_values = layer(
                     hidden_states, attention_mask=attention_mask,
                     past_key_values=past_key_values, use_cache=use_cache,
-                    output_attentions=output_attentions, cu_seqlens=cu_seqlens)
+                    output_attentions=output_attentions, cu_seqlens=cu_seqlens,
+                    shared_state=shared_state)
             if output_attentions:
                 all_attentions.append(attentions)
         hidden_states = self.norm(hidden_states)
@@ -304,6 +326,31 @@ class FLAModel(FLAPreTrainedModel):
             last_hidden_state=hidden_states, past_key_values=cache,
             hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
             attentions=None if all_attentions is None else tuple(all_attentions))
+
+
+    def _checkpointed(self, layer: FLABlock, hidden_states, attention_mask, output_attentions,
+                      cu_seqlens, shared_state: dict) -> tuple:
+        """One block under activation checkpointing, without the cache. The shared
+        state's tensors enter and leave as the checkpointed function's own inputs and
+        outputs, so that their gradients flow with reentrant checkpointing too (it sees
+        only tensor arguments); ``shared_state`` is updated in place."""
+        keys_in = list(shared_state)
+        keys_out: list[str] = []
+
+        def run(hidden_states, *values):
+            state = dict(zip(keys_in, values))
+            hidden_states, attentions, _ = layer(
+                hidden_states, attention_mask=attention_mask, past_key_values=None,
+                use_cache=False, output_attentions=output_attentions, cu_seqlens=cu_seqlens,
+                shared_state=state)
+            keys_out[:] = list(state)
+            return (hidden_states, attentions, *state.values())
+
+        hidden_states, attentions, *values = self._gradient_checkpointing_func(
+            run, hidden_states, *shared_state.values())
+        shared_state.clear()
+        shared_state.update(zip(keys_out, values))
+        return hidden_states, attentions
 
 
 class FLAForCausalLM(FLAPreTrainedModel, GenerationMixin):

@@ -26,6 +26,8 @@ class Cache:
         conv_state       tuple of [N, D, W] short-convolution caches (most recent last)
         attn_state       (k, v), each [B, L, H_kv, D]: the last L tokens' keys and values
                          (L ≤ window_size for sliding-window layers)
+        ffn_state        the block's feed-forward state, if it has one (RWKV channel mix:
+                         the last token's input [N, D] for its token shift)
 
     ``get_seq_length(i)`` counts the tokens layer i has consumed (positions, padding
     included).
@@ -58,11 +60,13 @@ class Cache:
         attn_state: tuple[torch.Tensor, torch.Tensor] | None = None,
         conv_state: Any = None,
         offset: int = 1,
+        ffn_state: Any = None,
         window_size: int | None = None,
     ) -> dict[str, Any]:
         """Record layer ``layer_idx``'s state after it consumed ``offset`` more tokens.
 
-        ``recurrent_state`` and ``conv_state`` replace the stored ones. ``attn_state`` holds
+        ``recurrent_state``, ``conv_state`` and ``ffn_state`` replace the stored ones (a
+        feed-forward updating after its layer's mixer passes ``offset=0``). ``attn_state`` holds
         the *new* tokens' (k, v) ``[B, T, H_kv, D]``: they are appended to the stored
         ones, and only the last ``window_size`` are kept when a window is given.
 
@@ -71,11 +75,13 @@ class Cache:
         """
         self._grow(layer_idx)
         state = self.states[layer_idx] or {"recurrent_state": None, "attn_state": None,
-                                           "conv_state": None}
+                                           "conv_state": None, "ffn_state": None}
         if recurrent_state is not None:
             state["recurrent_state"] = recurrent_state
         if conv_state is not None:
             state["conv_state"] = conv_state
+        if ffn_state is not None:
+            state["ffn_state"] = ffn_state
         full = None
         if attn_state is not None:
             k, v = attn_state

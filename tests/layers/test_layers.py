@@ -16,6 +16,8 @@ from fla.layers import (
     GatedLinearAttention,
     Mamba2,
     MultiScaleRetention,
+    RWKV6Attention,
+    RWKV7Attention,
 )
 from fla.models.utils import Cache
 from tests.helpers import assert_rel_close, generator
@@ -32,6 +34,10 @@ LAYERS = {
                                                        use_short_conv=True, layer_idx=0),
     "mamba2": lambda mode: Mamba2(D, head_dim=16, state_size=16, n_groups=2, mode=mode,
                                   layer_idx=0),
+    "rwkv6": lambda mode: RWKV6Attention(D, num_heads=4, mode=mode, proj_low_rank_dim=8,
+                                         gate_low_rank_dim=16, layer_idx=0),
+    "rwkv7": lambda mode: RWKV7Attention(D, head_dim=16, mode=mode, decay_low_rank_dim=8,
+                                         a_low_rank_dim=8, gate_low_rank_dim=16, layer_idx=0),
     "attention": lambda mode: Attention(D, num_heads=4, num_kv_heads=2, layer_idx=0),
     "attention_window": lambda mode: Attention(D, num_heads=4, window_size=7, layer_idx=0),
 }
@@ -164,7 +170,7 @@ FULLGRAPH = {"delta_net": False, "gated_deltanet": False}
 # a guard dynamo cannot take on the data-dependent sizes of the varlen index helpers.
 @pytest.mark.no_poison
 @pytest.mark.parametrize("name", ["delta_net", "gated_deltanet", "gla", "retention",
-                                  "mamba2", "attention"])
+                                  "mamba2", "rwkv6", "rwkv7", "attention"])
 def test_torch_compile(name, seed):
     layer = make(name)
     x = inputs(seed, 2, 20)

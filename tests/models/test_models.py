@@ -16,6 +16,8 @@ from fla.models import (
     GLAConfig,
     Mamba2Config,
     RetNetConfig,
+    RWKV6Config,
+    RWKV7Config,
     TransformerConfig,
 )
 from tests.helpers import assert_rel_close, generator
@@ -30,6 +32,12 @@ CONFIGS = {
     "gla": lambda **kw: GLAConfig(num_heads=4, **{**COMMON, **kw}),
     "retnet": lambda **kw: RetNetConfig(num_heads=4, **{**COMMON, **kw}),
     "mamba2": lambda **kw: Mamba2Config(head_dim=16, state_size=16, **{**COMMON, **kw}),
+    "rwkv6": lambda **kw: RWKV6Config(num_heads=4, proj_low_rank_dim=8, gate_low_rank_dim=16,
+                                      **{**COMMON, **kw}),
+    # Three layers: the value residual reaches layers 1 and 2 from layer 0.
+    "rwkv7": lambda **kw: RWKV7Config(head_dim=16, decay_low_rank_dim=8, a_low_rank_dim=8,
+                                      v_low_rank_dim=8, gate_low_rank_dim=16,
+                                      **{**COMMON, "num_hidden_layers": 3, **kw}),
     "transformer": lambda **kw: TransformerConfig(num_heads=4, num_kv_heads=2,
                                                   **{**COMMON, **kw}),
     # Hybrid: layer 1 is sliding-window softmax attention.
@@ -163,7 +171,8 @@ def test_auto_classes():
         assert type(lm).__name__.endswith("ForCausalLM")
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "gated_deltanet_hybrid"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "gated_deltanet_hybrid", "rwkv6",
+                                  "rwkv7"])
 def test_training_lowers_loss(name, seed):
     model = make(name, fuse_cross_entropy=True).train()
     ids = token_ids(seed, 2, 24)
@@ -190,15 +199,22 @@ def test_loss_is_shifted_next_token(seed):
     assert_rel_close("loss", out.loss, expected, 1e-6)
 
 
-def test_gradient_checkpointing(seed):
+# rwkv7: layer 0's values cross the checkpointed blocks through the shared state, with
+# reentrant checkpointing too (it sees only tensor arguments).
+@pytest.mark.parametrize("name,reentrant", [("gated_deltanet_hybrid", False),
+                                            ("rwkv7", False), ("rwkv7", True)])
+def test_gradient_checkpointing(name, reentrant, seed):
     ids = token_ids(seed, 2, 20)
     grads = []
     for checkpointing in (False, True):
-        model = make("gated_deltanet_hybrid").train()
+        model = make(name).train()
         if checkpointing:
-            # transformers 5 renamed it (the old name warns); 4.x has only the old one.
-            getattr(model, "activation_checkpointing_enable",
-                    model.gradient_checkpointing_enable)()
+            kwargs = {"use_reentrant": reentrant}
+            if hasattr(model, "activation_checkpointing_enable"):
+                # transformers 5 renamed it (the old name warns); 4.x has only the old one.
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             assert model.model.gradient_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -272,6 +288,10 @@ GPU_CONFIGS = {
                                    vocab_size=1000),
     "mamba2": lambda: Mamba2Config(hidden_size=512, head_dim=64, state_size=64,
                                    num_hidden_layers=4, vocab_size=1000),
+    "rwkv6": lambda: RWKV6Config(hidden_size=512, num_heads=8, num_hidden_layers=4,
+                                 vocab_size=1000),
+    "rwkv7": lambda: RWKV7Config(hidden_size=512, head_dim=64, num_hidden_layers=4,
+                                 vocab_size=1000),
     "transformer": lambda: TransformerConfig(hidden_size=512, num_heads=8,
                                              num_hidden_layers=4, vocab_size=1000),
 }

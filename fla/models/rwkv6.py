@@ -1,0 +1,53 @@
+"""RWKV6 (Finch) models: :class:`fla.layers.RWKV6Attention` as mixer, the RWKV6 channel
+mix (:class:`fla.layers.RWKV6FeedForward`) as the blocks' feed-forward and LayerNorms."""
+from __future__ import annotations
+
+from fla.layers.rwkv6 import RWKV6Attention, RWKV6FeedForward
+from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from fla.modules import LayerNorm
+
+
+class RWKV6Config(FLAConfig):
+    """Mixer settings as :class:`fla.layers.RWKV6Attention` (``attn_mode`` is its
+    ``mode``); ``hidden_ratio`` / ``intermediate_size`` size the channel mix (3.5 d);
+    ``norm_bias`` / ``norm_eps`` the blocks' LayerNorms; the rest as
+    :class:`fla.models.base.FLAConfig`."""
+
+    model_type = "rwkv6"
+
+    def __init__(self, attn_mode: str = "chunk", hidden_size: int = 2048,
+                 expand_k: float = 0.5, expand_v: float = 1.0, hidden_ratio: float | None = 3.5,
+                 intermediate_size: int | None = None, num_heads: int = 4,
+                 proj_low_rank_dim: int = 32, gate_low_rank_dim: int = 64,
+                 hidden_act: str = "sqrelu", norm_bias: bool = True, norm_eps: float = 1e-5,
+                 **kwargs):
+        self.attn_mode = attn_mode
+        self.expand_k, self.expand_v, self.num_heads = expand_k, expand_v, num_heads
+        self.proj_low_rank_dim, self.gate_low_rank_dim = proj_low_rank_dim, gate_low_rank_dim
+        self.norm_bias = norm_bias
+        super().__init__(hidden_size=hidden_size, hidden_ratio=hidden_ratio,
+                         intermediate_size=intermediate_size, hidden_act=hidden_act,
+                         norm_eps=norm_eps, **kwargs)
+
+    def build_mixer(self, layer_idx: int) -> RWKV6Attention:
+        return RWKV6Attention(
+            hidden_size=self.hidden_size, expand_k=self.expand_k, expand_v=self.expand_v,
+            num_heads=self.num_heads, mode=self.attn_mode,
+            proj_low_rank_dim=self.proj_low_rank_dim, gate_low_rank_dim=self.gate_low_rank_dim,
+            norm_eps=self.norm_eps, layer_idx=layer_idx)
+
+    def build_mlp(self, layer_idx: int) -> RWKV6FeedForward:
+        return RWKV6FeedForward(self.hidden_size, self.hidden_ratio, self.intermediate_size,
+                                layer_idx=layer_idx)
+
+    def build_norm(self) -> LayerNorm:
+        return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
+
+
+class RWKV6Model(FLAModel):
+    config_class = RWKV6Config
+
+
+class RWKV6ForCausalLM(FLAForCausalLM):
+    config_class = RWKV6Config
+    model_class = RWKV6Model
