@@ -90,6 +90,14 @@ def multiprocessor_count(index: int = 0) -> int:
 
     if is_interpreter() or not torch.cuda.is_available():
         return 1
+    return _sm_count(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    # Asked at every launch of a persistent kernel: the properties lookup is host time.
+    import torch
+
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

@@ -70,9 +70,16 @@ class Config:
         object.__setattr__(self, "meta", dict(sorted(merged.items())))
         object.__setattr__(self, "num_warps", int(num_warps))
         object.__setattr__(self, "num_stages", int(num_stages))
+        # Computed once: a config is hashed and compared on every launch (host time).
+        ident = (tuple(self.meta.items()), self.num_warps, self.num_stages)
+        object.__setattr__(self, "_ident", ident)
+        object.__setattr__(self, "_hash", hash(ident))
+        object.__setattr__(self, "_launch", {**self.meta, "num_warps": self.num_warps,
+                                             "num_stages": self.num_stages})
 
     def launch_kwargs(self) -> dict[str, Any]:
-        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        """The keyword arguments a launch adds: meta-parameters, num_warps, num_stages."""
+        return dict(self._launch)
 
     def to_json(self) -> dict[str, Any]:
         return {"meta": dict(self.meta), "num_warps": self.num_warps,
@@ -83,10 +90,10 @@ class Config:
         return cls(data["meta"], num_warps=data["num_warps"], num_stages=data["num_stages"])
 
     def __hash__(self) -> int:
-        return hash((tuple(self.meta.items()), self.num_warps, self.num_stages))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Config) and self.to_json() == other.to_json()
+        return isinstance(other, Config) and self._ident == other._ident
 
     def __str__(self) -> str:
         meta = ", ".join(f"{k}={v}" for k, v in self.meta.items())
@@ -109,13 +116,23 @@ def _safe(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def _key_part(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return str(value.dtype).replace("torch.", "")
+        return _dtype_name(value.dtype)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
+        return _dtype_name(value)
     return repr(value)
 
 
@@ -133,6 +150,7 @@ class TunedKernel:
             python_fn = python_fn.fn
         self.name = name or f"{python_fn.__module__}.{python_fn.__name__}"
         self.arg_names = list(inspect.signature(python_fn).parameters)
+        self._arg_set = frozenset(self.arg_names)
         # Part of the cache file's name: configs tuned for an older version of the
         # kernel's source are not read back after an edit.
         try:
@@ -166,7 +184,12 @@ class TunedKernel:
         return launcher
 
     def launch(self, grid, args: Sequence[Any], kwargs: Mapping[str, Any]):
-        named = self._bind(args, kwargs)
+        # Launchers pass every argument by name: then the names need only a subset check
+        # (host time per launch matters for small and memory-bound kernels).
+        if args or not self._arg_set.issuperset(kwargs):
+            named = self._bind(args, kwargs)
+        else:
+            named = kwargs
         key = self.key_of(named)
         config = self._chosen.get(key)
         if config is None:
@@ -240,7 +263,9 @@ class TunedKernel:
         return grid(launch_args) if callable(grid) else grid
 
     def _run(self, config: Config, grid, named: Mapping[str, Any]):
-        launch_args = self._launch_args(config, named)
+        # No clash check here: a config reaches _run only after _run_first or _choose
+        # checked the call's arguments against it.
+        launch_args = {**named, **config._launch}
         return self.kernel[self._grid(grid, launch_args)](**launch_args)
 
     def _compile(self, config: Config, grid, named: Mapping[str, Any]) -> None:
