@@ -72,7 +72,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
 
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT", "USE_GK"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -82,7 +82,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     LOCAL_FROM_AQK: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    gq=None, USE_GK: tl.constexpr = False,
+    gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
 
@@ -166,6 +166,14 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         # dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
         k_rows = rows[:, None] * (H * K) + i_h * K
         if USE_GK:
+            if GQ_EXCLUSIVE:
+                # The query reads the state before its token: γq_t = γ_{t−1} (0 at the
+                # chunk's first row), read from γ one row up.
+                gq_shift = -H * K
+                m_q = m_t & (tl.arange(0, BT) > 0)
+            else:
+                gq_shift = 0
+                m_q = m_t
             # γ_L per channel: the decay of each state row over the rest of the chunk.
             p_gl = g + (bos + last) * H * K + i_h * K
             b_gl1 = tl.load(p_gl + o_k1, mask=m_k1, other=0.).to(tl.float32)
@@ -233,7 +241,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_w = tl.load(w + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :],
                           other=0.)
         if USE_GK:
-            b_q = _gk_query_tile(b_q, gq, k_rows + o_k1[None, :], m_t[:, None] & m_k1[None, :],
+            b_q = _gk_query_tile(b_q, gq, k_rows + o_k1[None, :] + gq_shift,
+                                 m_q[:, None] & m_k1[None, :],
                                  scale, dt)
             b_dh1 *= tl.exp(b_gl1)[:, None]
         else:
@@ -251,8 +260,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                 b_w = tl.load(w + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                               other=0.)
             if USE_GK:
-                b_q = _gk_query_tile(b_q, gq, k_rows + o_k2[None, :],
-                                     m_t[:, None] & m_k2[None, :], scale, dt)
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k2[None, :] + gq_shift,
+                                     m_q[:, None] & m_k2[None, :], scale, dt)
                 b_dh2 *= tl.exp(b_gl2)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -269,8 +278,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                 b_w = tl.load(w + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                               other=0.)
             if USE_GK:
-                b_q = _gk_query_tile(b_q, gq, k_rows + o_k3[None, :],
-                                     m_t[:, None] & m_k3[None, :], scale, dt)
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k3[None, :] + gq_shift,
+                                     m_q[:, None] & m_k3[None, :], scale, dt)
                 b_dh3 *= tl.exp(b_gl3)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -287,8 +296,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                 b_w = tl.load(w + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                               other=0.)
             if USE_GK:
-                b_q = _gk_query_tile(b_q, gq, k_rows + o_k4[None, :],
-                                     m_t[:, None] & m_k4[None, :], scale, dt)
+                b_q = _gk_query_tile(b_q, gq, k_rows + o_k4[None, :] + gq_shift,
+                                     m_q[:, None] & m_k4[None, :], scale, dt)
                 b_dh4 *= tl.exp(b_gl4)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -329,6 +338,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     chunk_indices: torch.Tensor | None = None,
     Aqk: torch.Tensor | None = None,
     gq: torch.Tensor | None = None,
+    gq_exclusive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -351,6 +361,8 @@ def chunk_gated_delta_rule_bwd_dhu(
             given, the pass computes dv_local = scale·Aqkᵀ dO itself and ``dv`` is unused.
         gq: with a vector gate, the query side's cumulative gate ``[B, T, H, K]`` fp32
             (RWKV6: exclusive, γ − w); None: γ itself.
+        gq_exclusive: with a vector gate, the query side's gate is γ one token earlier
+            (RWKV6's γ − w, read from g itself; ``gq`` is ignored).
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -373,7 +385,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     g = None if g is None else g.contiguous()
     vector_gate = g is not None and g.dim() == 4
     if vector_gate:
-        gq = g if gq is None else gq.contiguous()
+        gq = g if gq is None or gq_exclusive else gq.contiguous()
     if cu_seqlens is not None:
         chunk_indices = varlen_chunk_indices(cu_seqlens, BT, chunk_indices)
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, BT).to(k.device)
@@ -398,6 +410,6 @@ def chunk_gated_delta_rule_bwd_dhu(
         USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-        **(dict(gq=gq, USE_GK=True) if vector_gate else {}),
+        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else {}),
     )
     return dh, dh0, dv2

@@ -1,204 +1,352 @@
-"""The intra-chunk attention and the output of the chunked vector-gate forward (GLA and
-RWKV6's state part, ALGORITHMS.md §3), one program per (chunk, head).
+"""The chunked vector-gate forward (GLA and RWKV6, ALGORITHMS.md §3) in two kernels.
 
-With γ the chunk-local cumulative log gate ``[B, T, H, K]``, γq the query side's (γ for
-GLA; the exclusive γ − w for RWKV6, whose query reads the state before its token) and
-S = h[chunk] the state entering the chunk (``chunk_delta_h`` with a vector gate)::
+With g the per-token log gate ``[B, T, H, K]``, γ its chunk-local cumsum (64-token
+chunks), γq the query side's gate (γ for GLA; the exclusive γ − g for RWKV6, whose query
+reads the state before its token) and S = h[chunk] the state entering the chunk::
 
-    A_ij = Σ_k q_ik k_jk exp(γq_ik − γ_jk)      j ≤ i (``EXCLUSIVE``: j < i)
+    A_ij = Σ_k q_ik k_jk exp(γq_ik − γ_jk)   j < i   (and j = i unless ``EXCLUSIVE``)
+    A_ii = Σ_k q_ik u_k k_ik                 RWKV6's bonus (``EXCLUSIVE`` with u)
     O    = scale · [ (Q ⊙ exp(γq)) S + A V ]
+    S'   = diag(exp(γ_C)) S + (K ⊙ exp(γ_C − γ))ᵀ V
 
-Numerics: exp(γq_i − γ_j) must never be formed as exp(γq_i) · exp(−γ_j) (γ reaches
-−5 · 64 = −320 in a chunk: exp(320) overflows even fp32). The chunk is cut into four
-16-row strips. For query strip I and the keys before it, the reference row r = 16I − 1
-(the last key row before the strip) splits the exponent into two parts that are both
-≤ 0, for GLA and for the exclusive RWKV6 query alike::
+``chunk_gk_fwd_A_kernel`` (one program per chunk and head) computes γ from g in
+registers, writes it (the state pass and the backward read it) and A.
+``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) is the state pass:
+it writes O (``STORE_O``) and/or the per-chunk states (``STORE_H``, the backward's
+recomputation); no [T, K, V]-sized tensor is written on the way to O.
 
-    A_ij = Σ_k [q_ik exp(γq_ik − γ_rk)] · [k_jk exp(γ_rk − γ_jk)]        (j ≤ r < i)
+Numerics: no exponent is ever positive (γ reaches −5 · 64 = −320 inside a chunk:
+exp(320) overflows even fp32). A is built by halving, as tensor-core dots: at level
+b ∈ {64, 32, 16, 8, 4, 2} the chunk is cut into blocks of b rows, and the queries of
+each block's second half meet the keys of its first half through the block's middle
+row m (the last row of the first half)::
 
-so one 16 x 64 dot per K tile covers all earlier keys; each factor is at least the
-product, so nothing representable underflows. The 16 x 16 diagonal block is formed pair
-by pair (one key column at a time) with the masked difference exp(γq_i − γ_j).
+    q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − γ_mk)] · [k_jk exp(γ_mk − γ_jk)]
+
+with both exponents ≤ 0 (j ≤ m < i; for RWKV6 γq_i = γ_{i−1} ≤ γ_m too). Every pair
+j < i is met at exactly one level (the level of the highest bit where i and j differ);
+each row needs one exp per level (as a query in second halves, as a key in first
+halves): 6·64·K exponentials per chunk, and six 64 x 64 x K dots. The diagonal j = i is
+Σ_k q k (GLA: exponent 0) or RWKV6's bonus. Each factor is at least the product, so
+nothing representable underflows.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-# tl.reduce with _sum_combine is tl.sum without the per-call cost in the interpreter.
-from triton.language.standard import _sum_combine
 
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
-__all__ = ["chunk_gk_fwd_o", "chunk_gk_fwd_o_kernel"]
+__all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_kernel",
+           "chunk_gk_fwd_h_kernel", "CHUNK_SIZE"]
 
-CHUNK_SIZE = 64  # four 16-row strips
-
-
-def _default(args) -> Config:
-    # [16, 64] fp32 scores, a [16, BV] output and the [64, BK] key operands per step.
-    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64), num_warps=4,
-                  num_stages=2)
-
-
-def _space(args) -> list[Config]:
-    return list(dict.fromkeys(
-        Config(BK=tile_width(args["K"], bk), BV=tile_width(args["V"], bv), num_warps=w,
-               num_stages=s)
-        for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)))
+CHUNK_SIZE = 64
 
 
 @triton.jit
-def gk_diagonal_pair(b_gx, m_x, p_y, p_gy, j, m_y, o_c, EXCLUSIVE: tl.constexpr,
-                     Q_SIDE: tl.constexpr):
-    """One pair column of a 16 x 16 diagonal block: with y = row j of the block (key j
-    when ``Q_SIDE``, query j otherwise) and x the block's 16 rows (gates ``b_gx`` [16, BK]),
-    returns the [16, BK] terms y ⊙ exp(±(γx − γy)) masked to the causal pairs of valid rows
-    (``m_x`` [16]; ``m_y`` [BK] masks y's channels and is all False past the chunk's
-    end), whose exponent (query gate minus key gate) is ≤ 0 and masked before exp."""
-    b_y = tl.load(p_y, mask=m_y, other=0.).to(tl.float32)
-    b_gy = tl.load(p_gy, mask=m_y, other=0.).to(tl.float32)
-    if Q_SIDE:  # x are queries i, y the key j: keep i ≥ j (i > j)
-        if EXCLUSIVE:
-            keep = o_c > j
-        else:
-            keep = o_c >= j
-        diff = b_gx - b_gy[None, :]
-    else:       # x are keys j, y the query i = j: keep i ≥ row (i > row)
-        if EXCLUSIVE:
-            keep = o_c < j
-        else:
-            keep = o_c <= j
-        diff = b_gy[None, :] - b_gx
-    keep2 = (keep & m_x)[:, None] & m_y[None, :]
-    return tl.where(keep2, b_y[None, :] * tl.exp(tl.where(keep2, diff, 0.)), 0.)
+def gk_level_factor(b_g, b_gq, g_cum, p_rowk, o_t, o_k, m_k, L, HK,
+                    b: tl.constexpr):
+    """Level ``b`` of the halving: (second-half rows mask [64], e [64, BK]) with
+    e_i = exp(γq_i − γ_m) for rows in a block's second half and exp(γ_m − γ_i) for
+    rows in its first half, m the block's middle row (clamped to the last valid row;
+    a first-half key whose m is past the end meets no valid query). ``p_rowk`` is the
+    chunk's row-0 offset plus ``o_k``; invalid rows give e = 0."""
+    h: tl.constexpr = b // 2
+    second = (o_t & h) != 0
+    m = tl.minimum((o_t // b) * b + (h - 1), L - 1)
+    m_tk = (o_t < L)[:, None] & m_k[None, :]
+    b_gm = tl.load(g_cum + p_rowk + m[:, None] * HK, mask=m_tk, other=0.)
+    d = tl.where(second[:, None], b_gq - b_gm, b_gm - b_g)
+    return second, tl.where(m_tk, tl.exp(tl.where(m_tk, d, 0.)), 0.)
 
 
-@tuned(key=["K", "V", "q", "EXCLUSIVE"], default=_default, space=_space)
+@triton.jit
+def gk_level_mask(o_t, b: tl.constexpr):
+    """[64, 64] pairs (i, j) met at level b: same block, i in the second half, j in
+    the first."""
+    h: tl.constexpr = b // 2
+    return (((o_t // b)[:, None] == (o_t // b)[None, :]) & ((o_t & h) != 0)[:, None]
+            & ((o_t & h) == 0)[None, :])
+
+
+def _A_default(args) -> Config:
+    return Config(BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
+
+
+def _A_space(args) -> list[Config]:
+    return list(dict.fromkeys(
+        Config(BK=tile_width(args["K"], bk), num_warps=w, num_stages=s)
+        for bk in (32, 64) for w in (4, 8) for s in (1, 2)))
+
+
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U"], default=_A_default, space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
-def chunk_gk_fwd_o_kernel(
-    q, k, v, g, gq, h, o, A, cu_seqlens, chunk_indices, scale, T,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXCLUSIVE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def chunk_gk_fwd_A_kernel(
+    q, k, g, u, g_cum, A, cu_seqlens, chunk_indices, T,
+    H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NT, B·H)``. q, k, g, gq ``[B, T, H, K]``; v, o ``[B, T, H, V]``;
-    h ``[B, NT, H, K, V]``; A ``[B, T, H, 64]`` (row t: token t's scores in its chunk)."""
+    """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
+    ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
+    zeros above the diagonal and past the chunk's end)."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_tg = i_t.to(tl.int64)
-    else:
-        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
-    L = tl.minimum(T - i_t * BT, BT)  # valid rows of this chunk
+    L = tl.minimum(T - i_t * BT, BT)
     o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, 16)
     m_t = o_t < L
-    dt = v.dtype.element_ty
-    qk_base = (row0 * H + i_h) * K
-    v_base = (row0 * H + i_h) * V
-    h_base = h + (i_tg * H + i_h) * (K * V)
+    HK = H * K
+    base = (row0 * H + i_h) * K
+    dt = k.dtype.element_ty
 
-    for i_r in tl.static_range(4):
-        rows = i_r * 16 + o_c
-        m_r = rows < L
-        if i_r * 16 < L:
-            b_A = tl.zeros([16, BT], dtype=tl.float32)     # keys before the strip
-            b_Ad = tl.zeros([16, 16], dtype=tl.float32)    # the diagonal block
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_rk = m_r[:, None] & m_k[None, :]
-                p_rk = qk_base + rows[:, None] * (H * K) + o_k[None, :]
-                b_q = tl.load(q + p_rk, mask=m_rk, other=0.).to(tl.float32)
-                b_gq = tl.load(gq + p_rk, mask=m_rk, other=0.).to(tl.float32)
-                if i_r > 0:
-                    b_gr = tl.load(g + qk_base + (i_r * 16 - 1) * H * K + o_k, mask=m_k,
-                                   other=0.).to(tl.float32)
-                    b_qr = tl.where(m_rk, b_q * tl.exp(tl.where(m_rk, b_gq - b_gr[None, :], 0.)),
-                                    0.)
-                    m_before = (o_t < i_r * 16)[:, None] & m_k[None, :]
-                    p_tk = qk_base + o_t[:, None] * (H * K) + o_k[None, :]
-                    b_k = tl.load(k + p_tk, mask=m_before, other=0.).to(tl.float32)
-                    b_g = tl.load(g + p_tk, mask=m_before, other=0.).to(tl.float32)
-                    b_kr = tl.where(m_before,
-                                    b_k * tl.exp(tl.where(m_before, b_gr[None, :] - b_g, 0.)), 0.)
-                    b_A = tl.dot(b_qr.to(dt), tl.trans(b_kr.to(dt)), b_A,
-                                 input_precision=DOT_PRECISION)
-                for j in range(16):
-                    p_j = qk_base + (i_r * 16 + j) * H * K + o_k
-                    m_j = m_k & (i_r * 16 + j + 0 * o_k < L)  # a vector compare: bool in the interpreter too
-                    b_pair = gk_diagonal_pair(b_gq, m_r, k + p_j, g + p_j, j, m_j, o_c,
-                                              EXCLUSIVE, True)
-                    b_Ad += tl.where(o_c[None, :] == j,
-                                     tl.reduce(b_q * b_pair, 1, _sum_combine)[:, None], 0.)
-            # A's rows: the strip's keys before it from b_A, its diagonal block from b_Ad
-            # (disjoint columns, so the two stores cannot race).
-            p_A = A + (row0 * H + i_h) * BT + rows[:, None] * (H * BT)
-            m_off = (o_t < i_r * 16) | (o_t >= i_r * 16 + 16)
-            tl.store(p_A + o_t[None, :], b_A.to(A.dtype.element_ty),
-                     mask=m_r[:, None] & m_off[None, :])
-            tl.store(p_A + i_r * 16 + o_c[None, :], b_Ad.to(A.dtype.element_ty),
-                     mask=m_r[:, None])
-
-    # The output at full 64-row tiles (16-row dots waste most of a tensor core): A is
-    # read back from memory, so every thread's stores above must land first.
+    # γ = cumsum(g) in the chunk, written first: the levels read rows of it back.
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p = base + o_t[:, None] * HK + o_k[None, :]
+        b_g = tl.cumsum(tl.load(g + p, mask=m_tk, other=0.).to(tl.float32), axis=0)
+        tl.store(g_cum + p, b_g, mask=m_tk)
     tl.debug_barrier()
-    p_a = A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
-    b_Aall = tl.load(p_a, mask=m_t[:, None] & m_t[None, :], other=0.).to(dt)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        b_o = tl.zeros([BT, BV], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            p_tk = qk_base + o_t[:, None] * (H * K) + o_k[None, :]
-            b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-            # γq is chunk-local and ≤ 0: exp(γq) ≤ 1.
-            b_gq = tl.load(gq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-            b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :],
-                          mask=(o_k < K)[:, None] & m_v[None, :], other=0.)
-            b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_h.to(dt), b_o,
-                         input_precision=DOT_PRECISION)
-        p_tv = v_base + o_t[:, None] * (H * V) + o_v[None, :]
+
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    b_d = tl.zeros([BT], dtype=tl.float32)   # the diagonal
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_rowk = base + o_k[None, :]
+        p = p_rowk + o_t[:, None] * HK
+        b_q = tl.load(q + p, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p, mask=m_tk, other=0.).to(tl.float32)
+        b_g = tl.load(g_cum + p, mask=m_tk, other=0.)
+        if EXCLUSIVE:
+            # γq_i = γ_{i−1} (0 at the chunk's first row).
+            b_gq = tl.load(g_cum + p - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+        else:
+            b_gq = b_g
+        if USE_U:
+            b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_d += tl.sum(b_q * b_k * b_u[None, :], axis=1)
+        elif not EXCLUSIVE:
+            b_d += tl.sum(b_q * b_k, axis=1)
+        for lvl in tl.static_range(6):
+            second, b_e = gk_level_factor(b_g, b_gq, g_cum, p_rowk, o_t, o_k, m_k, L, HK,
+                                          64 >> lvl)
+            b_qe = tl.where(second[:, None], b_q * b_e, 0.).to(dt)
+            b_ke = tl.where(second[:, None], 0., b_k * b_e).to(dt)
+            b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=DOT_PRECISION)
+            b_A += tl.where(gk_level_mask(o_t, 64 >> lvl), b_s, 0.)
+    b_A += tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.)
+    p_A = A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
+    tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_t[:, None])
+
+
+def _h_default(args) -> Config:
+    # The K x BV fp32 state in registers: two 64 x 64 tiles (K = 128) with 4 warps are
+    # 64 registers a thread.
+    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
+                  num_stages=2)
+
+
+def _h_space(args) -> list[Config]:
+    return list(dict.fromkeys(
+        Config(BV=tile_width(args["V"], bv), num_warps=w, num_stages=s)
+        for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)))
+
+
+@triton.jit
+def _gk_state_step(b_s, b_o, b_v, q, k, g_cum, h, i_kt: tl.constexpr, p_h, base, o_t, m_t,
+                   L, HK, o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   EXCLUSIVE: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """One [BK, BV] tile of the state through one chunk: stores it (``STORE_H``), adds
+    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it."""
+    dt = k.dtype.element_ty
+    o_k = i_kt * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    if STORE_H:
+        tl.store(h + p_h + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty),
+                 mask=m_k[:, None] & m_v[None, :])
+    m_tk = m_t[:, None] & m_k[None, :]
+    p = base + o_t[:, None] * HK + o_k[None, :]
+    b_g = tl.load(g_cum + p, mask=m_tk, other=0.)
+    if STORE_O:
+        if EXCLUSIVE:
+            b_gq = tl.load(g_cum + p - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+        else:
+            b_gq = b_g
+        b_q = tl.load(q + p, mask=m_tk, other=0.).to(tl.float32)
+        # γq is chunk-local and ≤ 0.
+        b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_s.to(dt), b_o,
+                     input_precision=DOT_PRECISION)
+    b_gl = tl.load(g_cum + base + (L - 1) * HK + o_k, mask=m_k, other=0.)
+    b_k = tl.load(k + p, mask=m_tk, other=0.).to(tl.float32)
+    b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.).to(dt)
+    b_s = b_s * tl.exp(b_gl)[:, None]
+    b_s = tl.dot(tl.trans(b_kd), b_v, b_s, input_precision=DOT_PRECISION)
+    return b_s, b_o
+
+
+@tuned(key=["K", "V", "k", "EXCLUSIVE", "STORE_H", "STORE_O"], default=_h_default,
+       space=_h_space)
+@triton.jit(do_not_specialize=["T", "H"])
+def chunk_gk_fwd_h_kernel(
+    q, k, v, g_cum, A, h, o, h0, ht, cu_seqlens, chunk_offsets, scale, T,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXCLUSIVE: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), H, N)``: one program walks one sequence's chunks for one V
+    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64)."""
+    BT: tl.constexpr = 64
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    dt = k.dtype.element_ty
+    HK = H * K
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_s = o_k[:, None] * V + o_v[None, :]
+    m_s = (o_k < K)[:, None] & m_v[None, :]
+
+    b_s1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_s2 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_s3 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_s4 = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        p_h0 = h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        b_s1 += tl.load(p_h0, mask=m_s, other=0.).to(tl.float32)
+        if K > BK:
+            b_s2 += tl.load(p_h0 + BK * V, mask=m_s & (BK + o_k < K)[:, None],
+                            other=0.).to(tl.float32)
+        if K > 2 * BK:
+            b_s3 += tl.load(p_h0 + 2 * BK * V, mask=m_s & (2 * BK + o_k < K)[:, None],
+                            other=0.).to(tl.float32)
+        if K > 3 * BK:
+            b_s4 += tl.load(p_h0 + 3 * BK * V, mask=m_s & (3 * BK + o_k < K)[:, None],
+                            other=0.).to(tl.float32)
+
+    for i_t in range(NT):
+        row0 = bos + i_t * BT
+        L = tl.minimum(T - i_t * BT, BT)
+        m_t = o_t < L
+        base = (row0 * H + i_h) * K
+        p_h = ((boh + i_t) * H + i_h) * (K * V)
+        p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(dt)
-        b_o = tl.dot(b_Aall, b_v, b_o, input_precision=DOT_PRECISION)
-        tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+        b_o = tl.zeros([BT, BV], dtype=tl.float32)
+        if STORE_O:
+            b_a = tl.load(A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
+                          mask=m_t[:, None], other=0.).to(dt)
+            b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PRECISION)
+        b_s1, b_o = _gk_state_step(b_s1, b_o, b_v, q, k, g_cum, h, 0, p_h, base, o_t, m_t, L,
+                                   HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+                                   DOT_PRECISION)
+        if K > BK:
+            b_s2, b_o = _gk_state_step(b_s2, b_o, b_v, q, k, g_cum, h, 1, p_h, base, o_t, m_t,
+                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+                                       DOT_PRECISION)
+        if K > 2 * BK:
+            b_s3, b_o = _gk_state_step(b_s3, b_o, b_v, q, k, g_cum, h, 2, p_h, base, o_t, m_t,
+                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+                                       DOT_PRECISION)
+        if K > 3 * BK:
+            b_s4, b_o = _gk_state_step(b_s4, b_o, b_v, q, k, g_cum, h, 3, p_h, base, o_t, m_t,
+                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+                                       DOT_PRECISION)
+        if STORE_O:
+            tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+
+    if STORE_FINAL_STATE:
+        p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        tl.store(p_ht, b_s1, mask=m_s)
+        if K > BK:
+            tl.store(p_ht + BK * V, b_s2, mask=m_s & (BK + o_k < K)[:, None])
+        if K > 2 * BK:
+            tl.store(p_ht + 2 * BK * V, b_s3, mask=m_s & (2 * BK + o_k < K)[:, None])
+        if K > 3 * BK:
+            tl.store(p_ht + 3 * BK * V, b_s4, mask=m_s & (3 * BK + o_k < K)[:, None])
 
 
-def chunk_gk_fwd_o(q, k, v, g, gq, h, scale: float, cu_seqlens=None, chunk_indices=None,
-                   exclusive: bool = False, out_dtype=None):
-    """The intra-chunk scores and the output (inputs validated, time-major, contiguous).
+def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
+                   exclusive: bool = False):
+    """γ and the intra-chunk scores (inputs validated, time-major, contiguous).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one dtype), K, V ≤ 256.
-        g: ``[B, T, H, K]`` float32 chunk-local cumulative gate γ (``chunk_local_cumsum``);
-            gq: the query side's (g itself for GLA; γ − w for RWKV6).
-        h: ``[B, NT, H, K, V]`` the state entering each chunk (``[1, NT_total, ...]`` under
-            varlen), from ``chunk_gated_delta_rule_fwd_h`` with the vector gate.
-        scale: the output scale.
+        q, k: ``[B, T, H, K]`` (one dtype), K ≤ 256; g: ``[B, T, H, K]`` per-token log gate.
+        u: RWKV6's bonus ``[H, K]`` (the diagonal of A), or None.
         cu_seqlens, chunk_indices: packed sequences (B == 1) and their 64-token chunk table.
-        exclusive: RWKV6's strictly causal scores (the diagonal is the caller's bonus).
-        out_dtype: o's dtype (default v's).
+        exclusive: RWKV6's strictly causal gated scores (query gate γ − g).
 
     Returns:
-        ``(o [B, T, H, V], A [B, T, H, 64])``: A in k's dtype, row t token t's scores
-        against its chunk's tokens (zeros above the diagonal and past a partial chunk).
+        ``(g_cum, A)``: γ float32 ``[B, T, H, K]``; A ``[B, T, H, 64]`` in k's dtype.
+    """
+    B, T, H, K = k.shape
+    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    g_cum = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
+    A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    chunk_gk_fwd_A_kernel[(NT, B * H)](
+        q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
+        USE_U=u is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=dot_precision(k.dtype))
+    return g_cum, A
+
+
+def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=None,
+                   output_final_state: bool = False, store_h: bool = False,
+                   store_o: bool = True, cu_seqlens=None, chunk_offsets=None, NT=None,
+                   exclusive: bool = False, out_dtype=None):
+    """The state pass: ``(o, h, final_state)``, each None unless asked for.
+
+    o ``[B, T, H, V]`` (``out_dtype``, default v's) = scale·[(Q ⊙ e^{γq}) S + A V];
+    h ``[B, NT, H, K, V]`` in k's dtype (``[1, NT_total, ...]`` under varlen) the state
+    entering each chunk; final_state ``[N, H, K, V]`` float32. ``chunk_offsets`` (the
+    first global chunk of each sequence) and ``NT`` (chunks in all) with ``cu_seqlens``.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
-    o = torch.empty(B, T, H, V, dtype=out_dtype or v.dtype, device=v.device)
-    A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
-    chunk_gk_fwd_o_kernel[(NT, B * H)](
-        q=q, k=k, v=v, g=g, gq=gq, h=h, o=o, A=A, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V, EXCLUSIVE=exclusive,
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if NT is None:
+        NT = triton.cdiv(T, CHUNK_SIZE)
+    o = (torch.empty(B, T, H, V, dtype=out_dtype or v.dtype, device=v.device)
+         if store_o else None)
+    h = torch.empty(B, NT, H, K, V, dtype=k.dtype, device=k.device) if store_h else None
+    ht = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
+          if output_final_state else None)
+    chunk_gk_fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+        q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, h0=initial_state, ht=ht,
+        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
+        BK=tile_width(K, 64), EXCLUSIVE=exclusive, STORE_H=store_h, STORE_O=store_o,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
-    return o, A
+    return o, h, ht
+
+
+def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
+                 output_final_state: bool = False, cu_seqlens=None, chunk_indices=None,
+                 chunk_offsets=None, exclusive: bool = False, out_dtype=None):
+    """The whole forward: ``(o, final_state, g_cum, A)`` (γ and A for the backward)."""
+    g_cum, A = chunk_gk_fwd_A(q, k, g, u, cu_seqlens, chunk_indices, exclusive)
+    NT = None if cu_seqlens is None else chunk_indices.shape[0]
+    o, _, ht = chunk_gk_fwd_h(q, k, v, g_cum, A, scale, initial_state, output_final_state,
+                              store_h=False, store_o=True, cu_seqlens=cu_seqlens,
+                              chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
+                              out_dtype=out_dtype)
+    return o, ht, g_cum, A

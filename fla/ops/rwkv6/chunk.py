@@ -7,9 +7,11 @@ the bonus of the current token (ALGORITHMS.md §3)::
 The state part ``scale · S_{t-1}ᵀ r_t`` is GLA with q = r, gate w, read *before* the
 token's update: ``exclusive=True`` in :func:`fla.ops.gla.chunk.chunk_gla_on_inputs` and
 :func:`fla.ops.gla.fused_recurrent.fused_recurrent_gla_on_inputs` (query gate γ − w,
-strictly causal in-chunk scores), kept in float32. The bonus is a per-token rank-one
-term, added here in float32 with autograd (du = Σ_t scale (do_t · v_t) r_t ⊙ k_t, a
-reduction over tokens).
+strictly causal in-chunk scores). In the chunked form the bonus is the diagonal of the
+in-chunk scores A (A_tt = Σ_i r_t,i u_i k_t,i), so the kernels add it with the rest of
+A V, and du = Σ_t scale (do_t · v_t) r_t ⊙ k_t is reduced from per-chunk partials. The
+fused recurrent form keeps its state part in float32 and adds the bonus here with
+autograd.
 """
 from __future__ import annotations
 
@@ -67,9 +69,8 @@ def chunk_rwkv6(
         [N, H, K, V]`` float32 or None. Differentiable in r, k, v, w, u, initial_state.
     """
     x = _prepare(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first)
-    o, final_state = chunk_gla_on_inputs(x, output_final_state, exclusive=True,
-                                         out_dtype=torch.float32)
-    o = _with_bonus(x, o)
+    # The bonus is A's diagonal in the chunk kernels (and du their per-chunk partials).
+    o, final_state = chunk_gla_on_inputs(x, output_final_state, exclusive=True)
     if head_first:
         o = o.transpose(1, 2)
     return o, final_state
