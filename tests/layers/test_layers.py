@@ -159,16 +159,11 @@ def test_bad_inputs():
         Mamba2(D, num_heads=3, head_dim=16)
 
 
-# DeltaNet and Gated DeltaNet trace with graph breaks only: the PyTorch path of
-# solve_tril (fla/ops/utils/solve_tril.py, _solve_tril_torch) sizes its tiles by
-# prepare_token_chunk_positions' NT = int(counts.sum()), a tensor read that dynamo
-# cannot resolve (fla/ops/utils/index.py); see the report.
-FULLGRAPH = {"delta_net": False, "gated_deltanet": False}
+# Every layer traces without graph breaks (the chunk grid of the PyTorch paths is sized
+# from the host offsets, fla/ops/utils/index.py prepare_token_chunk_positions).
+FULLGRAPH: dict[str, bool] = {}
 
 
-# no_poison: the poisoned torch.empty of conftest asks numel() == 0 of every allocation,
-# a guard dynamo cannot take on the data-dependent sizes of the varlen index helpers.
-@pytest.mark.no_poison
 @pytest.mark.parametrize("name", ["delta_net", "gated_deltanet", "gla", "retention",
                                   "mamba2", "rwkv6", "rwkv7", "attention"])
 def test_torch_compile(name, seed):

@@ -172,15 +172,20 @@ def prepare_token_chunk_positions(offsets: Sequence[int], chunk_size: int,
     """
     chunk_size = _check_chunk_size(chunk_size)
     offsets = [int(x) for x in offsets]
-    lens = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.int64)
-    counts = (lens + chunk_size - 1) // chunk_size
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int64), lens)
-    starts = torch.tensor(offsets[:-1], dtype=torch.int64)
-    local = torch.arange(offsets[-1], dtype=torch.int64) - starts[seq]
-    first_chunk = torch.cumsum(counts, 0) - counts
-    chunk = first_chunk[seq] + local // chunk_size
-    position = local % chunk_size
-    return chunk.to(device), position.to(device), int(counts.sum())
+    # Every size comes from the host offsets (no tensor read, no data-dependent shape:
+    # torch.compile traces this with fullgraph=True); the tensors are built at the end.
+    counts = [-(-(e - s) // chunk_size) for s, e in zip(offsets[:-1], offsets[1:])]
+    first_chunk = [0]
+    for c in counts[:-1]:
+        first_chunk.append(first_chunk[-1] + c)
+    tokens = torch.arange(offsets[-1], dtype=torch.int64, device=device)
+    # The sequence of each token: how many sequence ends lie at or before it.
+    seq = torch.searchsorted(torch.tensor(offsets[1:], dtype=torch.int64, device=device),
+                             tokens, right=True)
+    local = tokens - torch.tensor(offsets[:-1], dtype=torch.int64, device=device)[seq]
+    chunk = torch.tensor(first_chunk, dtype=torch.int64, device=device)[seq] + \
+        local // chunk_size
+    return chunk, local % chunk_size, sum(counts)
 
 
 def varlen_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int,
