@@ -1,10 +1,15 @@
-"""Command line: ``python -m fla demo``.
+"""Command line: ``python -m fla demo | train | generate | bench`` (also the ``fla`` script).
 
 ``demo`` runs the Gated DeltaNet recurrence on fresh random inputs (two packed sequences
 of uneven length, each with its own initial state) through every implementation this
 machine can run, forward and backward, and prints their relative errors against the
 float64 reference loop. Without a GPU it sets ``TRITON_INTERPRET=1`` first, so the Triton
 kernels themselves run (interpreted) on the CPU.
+
+``train``, ``generate`` and ``bench`` live in :mod:`fla.cli` (one module each): train a
+small model on the bundled corpus (one process or ``torchrun``, FSDP2), stream text from
+its checkpoint, and time an op over sequence lengths. Usage errors exit with code 2 and
+an argparse-style message, never a traceback.
 """
 from __future__ import annotations
 
@@ -98,18 +103,36 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fla", description=__doc__.split("\n\n")[0])
+    from fla.cli import CLIError, bench, generate, train
+
+    prog = "fla" if os.path.basename(sys.argv[0] or "") == "fla" else "python -m fla"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="run the gated delta rule every way and compare")
     demo.add_argument("--length", type=int, default=150, help="total tokens of the two sequences")
     demo.add_argument("--heads", type=int, default=2)
     demo.add_argument("--dim", type=int, default=32, help="head width K = V")
     demo.add_argument("--seed", type=int, default=None, help="fixed seed (default: fresh)")
+    demo.set_defaults(func=_demo)
+    parsers = {"demo": demo}
+    for module in (train, generate, bench):
+        p = module.add_parser(sub)
+        p.set_defaults(func=module.run)
+        parsers[p.prog.split()[-1]] = p
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo", *argv]      # the demo is the default command
     args = parser.parse_args(argv)
-    return _demo(args)
+    try:
+        return args.func(args)
+    except CLIError as exc:
+        # argparse's own format (without the long usage block of train): exit code 2.
+        print(f"{parsers[args.command].prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 1
 
 
 if __name__ == "__main__":
