@@ -82,10 +82,12 @@ def chunk_gk_bwd_dqkg_kernel(
     HK = H * K
     dt = k.dtype.element_ty
     base = (row0 * H + i_h) * K
-    p_rowk = base + o_k[None, :]
-    p = p_rowk + o_t[:, None] * HK
-    v_base = (row0 * H + i_h) * V
-    h_base = (i_tg * H + i_h) * (K * V)
+    # Scalar int64 bases, int32 tile offsets (64-bit address tiles cost two registers
+    # an element).
+    o_tk = o_t[:, None] * HK + o_k[None, :]
+    gc_b = g_cum + base
+    v_b, do_b = v + (row0 * H + i_h) * V, do + (row0 * H + i_h) * V
+    h_b, dh_b = h + (i_tg * H + i_h) * (K * V), dh + (i_tg * H + i_h) * (K * V)
 
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
@@ -94,44 +96,45 @@ def chunk_gk_bwd_dqkg_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_tv = v_base + o_t[:, None] * (H * V) + o_v[None, :]
+        o_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(dt)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(dt)
-        p_s = h_base + o_k[:, None] * V + o_v[None, :]
+        b_do = tl.load(do_b + o_tv, mask=m_tv, other=0.).to(dt)
+        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(dt)
+        o_s = o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(h + p_s, mask=m_s, other=0.)
-        b_dh = tl.load(dh + p_s, mask=m_s, other=0.)
+        b_h = tl.load(h_b + o_s, mask=m_s, other=0.)
+        b_dh = tl.load(dh_b + o_s, mask=m_s, other=0.)
         b_dA = tl.dot(b_do, tl.trans(b_v), b_dA, input_precision=DOT_PRECISION)
         b_dqs = tl.dot(b_do, tl.trans(b_h.to(dt)), b_dqs, input_precision=DOT_PRECISION)
         b_dks = tl.dot(b_v, tl.trans(b_dh.to(dt)), b_dks, input_precision=DOT_PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     b_dA = b_dA * scale
 
-    b_g = tl.load(g_cum + p, mask=m_tk, other=0.)
+    b_g = tl.load(gc_b + o_tk, mask=m_tk, other=0.)
     if EXCLUSIVE:
-        b_gq = tl.load(g_cum + p - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+        b_gq = tl.load(gc_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
     else:
         b_gq = b_g
-    b_gl = tl.load(g_cum + base + (L - 1) * HK + o_k, mask=m_k, other=0.)
-    b_q = tl.load(q + p, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p, mask=m_tk, other=0.).to(tl.float32)
+    b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+    b_q = tl.load(q + base + o_tk, mask=m_tk, other=0.)
+    b_k = tl.load(k + base + o_tk, mask=m_tk, other=0.)
     # Through the states: exponents γq ≤ 0 and γ_C − γ ≤ 0.
     b_dq = b_dqs * scale * tl.exp(b_gq)
     b_dk = tl.where(m_tk, b_dks * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
-    b_kdk = tl.sum(b_k * b_dk, axis=0)
+    b_kdk = tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
 
     for lvl in tl.static_range(6):
-        second, b_e = gk_level_factor(b_g, b_gq, g_cum, p_rowk, o_t, o_k, m_k, L, HK,
-                                      64 >> lvl)
-        b_qe = tl.where(second[:, None], b_q * b_e, 0.).to(dt)
-        b_ke = tl.where(second[:, None], 0., b_k * b_e).to(dt)
+        second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, 64 >> lvl)
+        b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
+        b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
         b_dAl = tl.where(gk_level_mask(o_t, 64 >> lvl), b_dA, 0.).to(dt)
         b_dq += tl.where(second[:, None],
                          tl.dot(b_dAl, b_ke, input_precision=DOT_PRECISION) * b_e, 0.)
         b_dk += tl.where(second[:, None], 0.,
                          tl.dot(tl.trans(b_dAl), b_qe, input_precision=DOT_PRECISION) * b_e)
 
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
     # The gate: x = q ⊙ dq − k ⊙ dk (+ the state's decay at the last row), summed from
     # each token to the chunk's end.
     b_qdq = b_q * b_dq
@@ -141,7 +144,7 @@ def chunk_gk_bwd_dqkg_kernel(
     b_dg = tl.sum(b_x, axis=0)[None, :] - tl.cumsum(b_x, axis=0) + b_x
     if EXCLUSIVE:
         b_dg -= b_qdq
-    tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    tl.store(dg + base + o_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
     # The diagonal (no gate): GLA's Σ q k, RWKV6's bonus Σ q u k.
     b_dd = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dA, 0.), axis=1)
@@ -154,8 +157,8 @@ def chunk_gk_bwd_dqkg_kernel(
     elif not EXCLUSIVE:
         b_dq += b_dd[:, None] * b_k
         b_dk += b_dd[:, None] * b_q
-    tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dq + base + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + base + o_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
 def chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale: float, u=None, cu_seqlens=None,

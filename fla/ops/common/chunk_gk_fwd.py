@@ -48,18 +48,17 @@ CHUNK_SIZE = 64
 
 
 @triton.jit
-def gk_level_factor(b_g, b_gq, g_cum, p_rowk, o_t, o_k, m_k, L, HK,
-                    b: tl.constexpr):
+def gk_level_factor(b_g, b_gq, g_b, o_t, o_k, m_k, L, HK, b: tl.constexpr):
     """Level ``b`` of the halving: (second-half rows mask [64], e [64, BK]) with
     e_i = exp(γq_i − γ_m) for rows in a block's second half and exp(γ_m − γ_i) for
     rows in its first half, m the block's middle row (clamped to the last valid row;
-    a first-half key whose m is past the end meets no valid query). ``p_rowk`` is the
-    chunk's row-0 offset plus ``o_k``; invalid rows give e = 0."""
+    a first-half key whose m is past the end meets no valid query). ``g_b`` points at
+    γ of the chunk's first row (row stride ``HK``); invalid rows give e = 0."""
     h: tl.constexpr = b // 2
     second = (o_t & h) != 0
     m = tl.minimum((o_t // b) * b + (h - 1), L - 1)
     m_tk = (o_t < L)[:, None] & m_k[None, :]
-    b_gm = tl.load(g_cum + p_rowk + m[:, None] * HK, mask=m_tk, other=0.)
+    b_gm = tl.load(g_b + m[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
     d = tl.where(second[:, None], b_gq - b_gm, b_gm - b_g)
     return second, tl.where(m_tk, tl.exp(tl.where(m_tk, d, 0.)), 0.)
 
@@ -103,15 +102,18 @@ def chunk_gk_fwd_A_kernel(
     m_t = o_t < L
     HK = H * K
     base = (row0 * H + i_h) * K
+    # Scalar int64 bases, int32 tile offsets: 64-bit address tiles cost two registers
+    # an element.
+    q_b, k_b, g_b, gc_b = q + base, k + base, g + base, g_cum + base
     dt = k.dtype.element_ty
 
     # γ = cumsum(g) in the chunk, written first: the levels read rows of it back.
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p = base + o_t[:, None] * HK + o_k[None, :]
-        b_g = tl.cumsum(tl.load(g + p, mask=m_tk, other=0.).to(tl.float32), axis=0)
-        tl.store(g_cum + p, b_g, mask=m_tk)
+        o_tk = o_t[:, None] * HK + o_k[None, :]
+        b_g = tl.cumsum(tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32), axis=0)
+        tl.store(gc_b + o_tk, b_g, mask=m_tk)
     tl.debug_barrier()
 
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -120,26 +122,24 @@ def chunk_gk_fwd_A_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        p_rowk = base + o_k[None, :]
-        p = p_rowk + o_t[:, None] * HK
-        b_q = tl.load(q + p, mask=m_tk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p, mask=m_tk, other=0.).to(tl.float32)
-        b_g = tl.load(g_cum + p, mask=m_tk, other=0.)
+        o_tk = o_t[:, None] * HK + o_k[None, :]
+        b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.)
+        b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.)
+        b_g = tl.load(gc_b + o_tk, mask=m_tk, other=0.)
         if EXCLUSIVE:
             # γq_i = γ_{i−1} (0 at the chunk's first row).
-            b_gq = tl.load(g_cum + p - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+            b_gq = tl.load(gc_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
         else:
             b_gq = b_g
         if USE_U:
             b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_d += tl.sum(b_q * b_k * b_u[None, :], axis=1)
+            b_d += tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32) * b_u[None, :], axis=1)
         elif not EXCLUSIVE:
-            b_d += tl.sum(b_q * b_k, axis=1)
+            b_d += tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
         for lvl in tl.static_range(6):
-            second, b_e = gk_level_factor(b_g, b_gq, g_cum, p_rowk, o_t, o_k, m_k, L, HK,
-                                          64 >> lvl)
-            b_qe = tl.where(second[:, None], b_q * b_e, 0.).to(dt)
-            b_ke = tl.where(second[:, None], 0., b_k * b_e).to(dt)
+            second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, 64 >> lvl)
+            b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
+            b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
             b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=DOT_PRECISION)
             b_A += tl.where(gk_level_mask(o_t, 64 >> lvl), b_s, 0.)
     b_A += tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.)
@@ -148,9 +148,10 @@ def chunk_gk_fwd_A_kernel(
 
 
 def _h_default(args) -> Config:
-    # The K x BV fp32 state in registers: two 64 x 64 tiles (K = 128) with 4 warps are
-    # 64 registers a thread.
-    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
+    # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
+    # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
+    # 8 warps 0.7 KB; storing h only, 32 B).
+    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=8,
                   num_stages=2)
 
 
@@ -161,32 +162,33 @@ def _h_space(args) -> list[Config]:
 
 
 @triton.jit
-def _gk_state_step(b_s, b_o, b_v, q, k, g_cum, h, i_kt: tl.constexpr, p_h, base, o_t, m_t,
-                   L, HK, o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L, HK,
+                   o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    EXCLUSIVE: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """One [BK, BV] tile of the state through one chunk: stores it (``STORE_H``), adds
-    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it."""
-    dt = k.dtype.element_ty
+    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it. ``q_b``,
+    ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state."""
+    dt = k_b.dtype.element_ty
     o_k = i_kt * BK + tl.arange(0, BK)
     m_k = o_k < K
     if STORE_H:
-        tl.store(h + p_h + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty),
+        tl.store(h_b + o_k[:, None] * V + o_v[None, :], b_s.to(h_b.dtype.element_ty),
                  mask=m_k[:, None] & m_v[None, :])
     m_tk = m_t[:, None] & m_k[None, :]
-    p = base + o_t[:, None] * HK + o_k[None, :]
-    b_g = tl.load(g_cum + p, mask=m_tk, other=0.)
+    o_tk = o_t[:, None] * HK + o_k[None, :]
+    b_g = tl.load(g_b + o_tk, mask=m_tk, other=0.)
     if STORE_O:
         if EXCLUSIVE:
-            b_gq = tl.load(g_cum + p - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+            b_gq = tl.load(g_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
         else:
             b_gq = b_g
-        b_q = tl.load(q + p, mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         # γq is chunk-local and ≤ 0.
         b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_s.to(dt), b_o,
                      input_precision=DOT_PRECISION)
-    b_gl = tl.load(g_cum + base + (L - 1) * HK + o_k, mask=m_k, other=0.)
-    b_k = tl.load(k + p, mask=m_tk, other=0.).to(tl.float32)
+    b_gl = tl.load(g_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+    b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
     b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.).to(dt)
     b_s = b_s * tl.exp(b_gl)[:, None]
     b_s = tl.dot(tl.trans(b_kd), b_v, b_s, input_precision=DOT_PRECISION)
@@ -246,32 +248,37 @@ def chunk_gk_fwd_h_kernel(
         L = tl.minimum(T - i_t * BT, BT)
         m_t = o_t < L
         base = (row0 * H + i_h) * K
-        p_h = ((boh + i_t) * H + i_h) * (K * V)
-        p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
+        q_b, k_b, g_b = q + base, k + base, g_cum + base
+        if STORE_H:
+            h_b = h + ((boh + i_t) * H + i_h) * (K * V)
+        else:
+            h_b = h
+        v_b = v + (row0 * H + i_h) * V
+        o_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(dt)
+        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(dt)
         b_o = tl.zeros([BT, BV], dtype=tl.float32)
         if STORE_O:
             b_a = tl.load(A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
                           mask=m_t[:, None], other=0.).to(dt)
             b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PRECISION)
-        b_s1, b_o = _gk_state_step(b_s1, b_o, b_v, q, k, g_cum, h, 0, p_h, base, o_t, m_t, L,
-                                   HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+        b_s1, b_o = _gk_state_step(b_s1, b_o, b_v, q_b, k_b, g_b, h_b, 0, o_t, m_t, L, HK,
+                                   o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
                                    DOT_PRECISION)
         if K > BK:
-            b_s2, b_o = _gk_state_step(b_s2, b_o, b_v, q, k, g_cum, h, 1, p_h, base, o_t, m_t,
-                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+            b_s2, b_o = _gk_state_step(b_s2, b_o, b_v, q_b, k_b, g_b, h_b, 1, o_t, m_t, L, HK,
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
                                        DOT_PRECISION)
         if K > 2 * BK:
-            b_s3, b_o = _gk_state_step(b_s3, b_o, b_v, q, k, g_cum, h, 2, p_h, base, o_t, m_t,
-                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+            b_s3, b_o = _gk_state_step(b_s3, b_o, b_v, q_b, k_b, g_b, h_b, 2, o_t, m_t, L, HK,
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
                                        DOT_PRECISION)
         if K > 3 * BK:
-            b_s4, b_o = _gk_state_step(b_s4, b_o, b_v, q, k, g_cum, h, 3, p_h, base, o_t, m_t,
-                                       L, HK, o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
+            b_s4, b_o = _gk_state_step(b_s4, b_o, b_v, q_b, k_b, g_b, h_b, 3, o_t, m_t, L, HK,
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
                                        DOT_PRECISION)
         if STORE_O:
-            tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+            tl.store(o + (row0 * H + i_h) * V + o_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
     if STORE_FINAL_STATE:
         p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
