@@ -1,0 +1,126 @@
+"""Model-level throughput: training tokens/s and decoding tokens/s (issue 8's figures).
+
+    python -m benchmarks.model_throughput [--model gated_deltanet] [--what train decode]
+                                          [--out FILE.json] [--tiny]
+
+Measures whichever ``fla`` is importable (ours from the checkout, or the reference
+library in its own process, as ``benchmarks/run_side.py`` does), on the same config:
+
+* ``train``: a ~340M-parameter model (hidden 1024, 20 layers, 4 heads of 256, vocab
+  32000) at batch 4 x 4096 tokens: forward, backward and an AdamW step under bf16
+  autocast (fp32 master weights); tokens/s from the median of the timed steps.
+* ``decode``: ``generate()`` of 512 new tokens (greedy, cache on) after a 16-token
+  prompt at batch 1 and batch 64; tokens/s = batch x 512 / wall time.
+
+``--tiny`` shrinks everything for a CPU smoke test of the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+CONFIGS = {
+    "gated_deltanet": ("GatedDeltaNetConfig", "GatedDeltaNetForCausalLM",
+                       dict(hidden_size=1024, num_hidden_layers=20, num_heads=4, head_dim=256,
+                            expand_v=1, vocab_size=32000)),
+}
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)
+
+
+def build(model: str, tiny: bool, device: str):
+    import fla.models as models
+
+    config_name, model_name, sizes = CONFIGS[model]
+    config = getattr(models, config_name)(**(TINY if tiny else sizes))
+    torch.manual_seed(0)
+    return getattr(models, model_name)(config).to(device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_tokens_per_s(net, device: str, batch: int, length: int, steps: int) -> dict:
+    vocab = net.config.vocab_size
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+    times = []
+    for i in range(steps + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= 3:  # the first steps compile kernels and warm the allocator
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    return {"step_s": step, "tokens_per_s": batch * length / step, "loss": float(loss.detach()),
+            "peak_mib": peak}
+
+
+def decode_tokens_per_s(net, device: str, batch: int, new_tokens: int) -> dict:
+    vocab = net.config.vocab_size
+    prompt = torch.randint(0, vocab, (batch, 16), device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  use_cache=True, pad_token_id=0)
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16,
+                                         enabled=device == "cuda"):
+        net.generate(prompt, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+        sync(device)
+        t0 = time.perf_counter()
+        out = net.generate(prompt, **kwargs)
+        sync(device)
+        wall = time.perf_counter() - t0
+    generated = out.shape[1] - prompt.shape[1]
+    return {"wall_s": wall, "new_tokens": generated,
+            "tokens_per_s": batch * generated / wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(CONFIGS), default="gated_deltanet")
+    p.add_argument("--what", nargs="+", choices=("train", "decode"),
+                   default=["train", "decode"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", help="append one JSON line per measurement")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test of the script")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    import fla
+
+    label = getattr(fla, "__version__", "?")
+    net = build(args.model, args.tiny, device)
+    params = sum(t.numel() for t in net.parameters())
+    rows = []
+    if "train" in args.what:
+        batch, length = (2, 64) if args.tiny else (4, 4096)
+        rows.append({"what": "train", "batch": batch, "length": length,
+                     **train_tokens_per_s(net, device, batch, length,
+                                          2 if args.tiny else args.steps)})
+    if "decode" in args.what:
+        net.eval()
+        for batch in ((1, 2) if args.tiny else (1, 64)):
+            rows.append({"what": "decode", "batch": batch,
+                         **decode_tokens_per_s(net, device, batch, 8 if args.tiny else 512)})
+    for row in rows:
+        row.update(model=args.model, params=params, fla=label, device=device,
+                   gpu=torch.cuda.get_device_name(0) if device == "cuda" else None,
+                   torch=torch.__version__)
+        print(json.dumps(row))
+        if args.out:
+            with open(args.out, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
