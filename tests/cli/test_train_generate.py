@@ -41,10 +41,14 @@ def _state(run: Path) -> dict:
 
 
 @pytest.mark.no_poison
-def test_train_then_generate_then_resume(tmp_path):
-    run = tmp_path / "run"
-    r = fla("train", *TINY, "--max-steps", "4", "--eval-every", "2", "--sample-tokens", "8",
-            "--out", str(run), cwd=tmp_path)
+def test_train_generate_and_resume_equals_an_uninterrupted_run(tmp_path):
+    """4 steps (--stop-at on a 6-step schedule), generate from the checkpoint, resume to
+    6: the same losses as 6 steps in one go (the batch of a step depends on the step
+    alone, and the optimizer state is saved)."""
+    common = [*TINY, "--max-steps", "6", "--eval-every", "2", "--sample-tokens", "0"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    fla("train", *common, "--no-plot", "--out", str(straight), cwd=tmp_path)
+    r = fla("train", *common, "--stop-at", "4", "--out", str(run), cwd=tmp_path)
     assert "final validation loss" in r.stdout and "unigram baseline" in r.stdout
     ckpt = run / "checkpoint"
     for name in ("config.json", "model.safetensors", "trainer_state.pt", "fla_train.json"):
@@ -52,39 +56,22 @@ def test_train_then_generate_then_resume(tmp_path):
     assert (run / "loss_curve.png").stat().st_size > 1000
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == "gated_deltanet"
     assert _state(run)["step"] == 4
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
 
     g = fla("generate", "--checkpoint", str(run), "--prompt", "ROMEO:", "--max-new-tokens",
             "12", "--temperature", "0.8", "--top-k", "20", "--seed", "1", cwd=tmp_path)
     assert g.stdout.startswith("ROMEO:") and len(g.stdout) > len("ROMEO:")
-    # The checkpoint directory itself is accepted too; greedy decoding is deterministic.
-    g1 = fla("generate", "--checkpoint", str(ckpt), "--max-new-tokens", "8", cwd=tmp_path)
-    g2 = fla("generate", "--checkpoint", str(ckpt), "--max-new-tokens", "8", cwd=tmp_path)
-    assert g1.stdout == g2.stdout
 
-    r = fla("train", *TINY, "--max-steps", "6", "--eval-every", "2", "--sample-tokens", "0",
-            "--out", str(run), "--resume", cwd=tmp_path)
+    r = fla("train", *common, "--out", str(run), "--resume", cwd=tmp_path)
     assert "resuming gated_deltanet" in r.stdout and "at step 4" in r.stdout
     state = _state(run)
     assert state["step"] == 6
     assert [h["step"] for h in state["history"] if "val_loss" in h] == [2, 4, 6]
-
-
-@pytest.mark.no_poison
-def test_resume_matches_an_uninterrupted_run(tmp_path):
-    """The batch of a step depends on the step alone and the optimizer state is saved:
-    4 steps + 2 resumed == 6 steps."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    common = [*TINY, "--eval-every", "100", "--sample-tokens", "0", "--no-plot",
-              "--max-steps"]
-    fla("train", *common, "6", "--out", str(a), cwd=tmp_path)
-    fla("train", *common, "6", "--stop-at", "4", "--out", str(b), cwd=tmp_path)
-    assert _state(b)["step"] == 4
-    fla("train", *common, "6", "--out", str(b), "--resume", cwd=tmp_path)
-    losses_a = [h["loss"] for h in _state(a)["history"] if "loss" in h]
-    losses_b = [h["loss"] for h in _state(b)["history"] if "loss" in h]
-    assert losses_a == pytest.approx(losses_b, rel=1e-6)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
+    for key in ("loss", "val_loss"):
+        a = [h[key] for h in _state(straight)["history"] if key in h]
+        b = [h[key] for h in state["history"] if key in h]
+        assert a == pytest.approx(b, rel=1e-5), key
 
 
 @pytest.mark.no_poison
@@ -110,12 +97,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err
     assert "resume with" in out
-    step = _state(run)["step"]
-    assert step >= 2
-    r = fla("train", *TINY, "--max-steps", str(step + 1), "--eval-every", "100000",
-            "--sample-tokens", "0", "--no-plot", "--out", str(run), "--resume", cwd=tmp_path)
-    assert f"at step {step}" in r.stdout
-    assert _state(run)["step"] == step + 1
+    assert _state(run)["step"] >= 2     # resuming it: the test above
 
 
 # ------------------------------------------------------------------------ usage errors
@@ -238,10 +220,13 @@ def test_fsdp2_two_gloo_processes_match_one(tmp_path):
         a = [h[key] for h in two if key in h]
         b = [h[key] for h in one if key in h]
         assert a == pytest.approx(b, rel=1e-5), key
-    config = json.loads((tmp_path / "two" / "checkpoint" / "config.json").read_text())
+    ckpt = tmp_path / "two" / "checkpoint"
+    config = json.loads((ckpt / "config.json").read_text())
     assert config["architectures"] == ["GatedDeltaNetForCausalLM"]
-    fla("generate", "--checkpoint", str(tmp_path / "two"), "--max-new-tokens", "4",
-        cwd=tmp_path)
+    # The gathered checkpoint holds the full weights: they load into one process.
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    assert sum(p.numel() for p in model.parameters()) > 10_000
 
 
 # ----------------------------------------------------------------------------- bench
