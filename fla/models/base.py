@@ -1,11 +1,13 @@
-"""The shared base of every model: config fields common to all architectures, the block
-(norm → mixer → residual, norm → gated MLP → residual), the model (embeddings, blocks,
-final norm), the causal-LM head with its loss, input checks and generation.
+"""The shared base of every model: the block (norm → mixer → residual, norm → MLP →
+residual), the model (embeddings, blocks, final norm), the causal-LM head with its loss,
+input checks and generation. The config base, :class:`FLAConfig`, is in
+:mod:`fla.models.config`.
 
 An architecture is a config subclass that names its ``model_type``, holds its mixer's
-settings and builds the mixer (:meth:`FLAConfig.build_mixer`), plus three two-line
-classes naming that config (see ``fla/models/delta_net.py``). Layers listed in the
-config's ``attn`` entry become softmax :class:`fla.layers.Attention` (hybrid models).
+settings and builds the mixer (:meth:`FLAConfig.build_mixer`); its ``Model`` and
+``ForCausalLM`` classes are these two classes bound to that config
+(:func:`fla.models.config.model_classes`). Layers listed in the config's ``attn`` entry
+become softmax :class:`fla.layers.Attention` (hybrid models).
 """
 from __future__ import annotations
 
@@ -14,141 +16,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 import transformers
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from fla.layers.attn import Attention
+from fla.models.config import FLAConfig
 from fla.models.utils import Cache
-from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss, GatedMLP, RMSNorm
-from fla.utils.validation import check_cu_seqlens
+
+# The layers, modules and kernels are imported where a model is built or run, not here
+# (the norms and losses inside the methods that use them).
 
 __all__ = ["FLAConfig", "FLABlock", "FLAPreTrainedModel", "FLAModel", "FLAForCausalLM"]
 
 # transformers 5 names tied weights as {target: source}; 4.x lists the targets.
 _TRANSFORMERS_V5 = int(transformers.__version__.split(".")[0]) >= 5
-ATTN_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm",
-             "window_size", "rope_theta")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-
-
-class FLAConfig(PretrainedConfig):
-    """Fields shared by every architecture (names as in Flash Linear Attention's configs).
-
-    Hooks an architecture overrides: :meth:`build_mixer` (always), :meth:`build_mlp`
-    (the block's feed-forward; default the gated MLP, none when ``use_mlp`` is False) and
-    :meth:`build_norm` (the blocks' and the final norm; default RMSNorm).
-
-    Args:
-        vocab_size, hidden_size, num_hidden_layers: the usual.
-        hidden_ratio, intermediate_size, hidden_act, fuse_swiglu: the gated MLP of each
-            block (see :class:`fla.modules.GatedMLP`).
-        norm_eps: the RMSNorms' epsilon.
-        attn: None, or a dict turning layers into softmax attention: ``layers`` (indices),
-            ``num_heads``, and optionally ``num_kv_heads``, ``head_dim``, ``qkv_bias``,
-            ``qk_norm``, ``window_size``, ``rope_theta``.
-        fuse_cross_entropy: the loss through :class:`fla.modules.FusedCrossEntropyLoss`;
-        fuse_linear_cross_entropy: the head and the loss fused
-            (:class:`fla.modules.FusedLinearCrossEntropyLoss`; no logits are returned).
-        initializer_range: std of the normal init of projections and embeddings.
-    """
-
-    use_mlp = True  # blocks carry a gated MLP (Mamba2's do not)
-
-    def __init__(self, vocab_size: int = 32000, hidden_size: int = 2048,
-                 num_hidden_layers: int = 24, hidden_ratio: float | None = 4,
-                 intermediate_size: int | None = None, hidden_act: str = "swish",
-                 max_position_embeddings: int = 2048, norm_eps: float = 1e-6,
-                 attn: dict | None = None, use_cache: bool = True,
-                 pad_token_id: int | None = None, bos_token_id: int | None = 1,
-                 eos_token_id: int | None = 2, tie_word_embeddings: bool = False,
-                 initializer_range: float = 0.02, fuse_norm: bool = True,
-                 fuse_swiglu: bool = True, fuse_cross_entropy: bool = True,
-                 fuse_linear_cross_entropy: bool = False, **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.hidden_ratio = hidden_ratio
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.norm_eps = norm_eps
-        self.attn = None if attn is None else dict(attn)
-        self.use_cache = use_cache
-        self.initializer_range = initializer_range
-        self.fuse_norm = fuse_norm
-        self.fuse_swiglu = fuse_swiglu
-        self.fuse_cross_entropy = fuse_cross_entropy
-        self.fuse_linear_cross_entropy = fuse_linear_cross_entropy
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id,
-                         eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings,
-                         **kwargs)
-        self.check()
-
-    # ------------------------------------------------------------------ architecture
-    def build_mixer(self, layer_idx: int) -> nn.Module:
-        """The architecture's token mixer for layer ``layer_idx`` (subclasses)."""
-        raise NotImplementedError(f"{type(self).__name__} does not define build_mixer")
-
-    def build_mlp(self, layer_idx: int) -> nn.Module:
-        """The block's feed-forward (used when ``use_mlp``): ``mlp(x, attention_mask=,
-        past_key_values=, use_cache=, cu_seqlens=, shared_state=) -> y``; stateless ones
-        ignore the keywords, RWKV's channel mixes keep a token-shift state in the cache."""
-        return GatedMLP(self.hidden_size, self.hidden_ratio, self.intermediate_size,
-                        self.hidden_act, fuse_swiglu=self.fuse_swiglu)
-
-    def build_norm(self) -> nn.Module:
-        """The pre-norms of each block and the final norm (with ``residual`` and
-        ``prenorm`` arguments, as :class:`fla.modules.RMSNorm`)."""
-        return RMSNorm(self.hidden_size, eps=self.norm_eps)
-
-    def is_attention_layer(self, layer_idx: int) -> bool:
-        return self.attn is not None and layer_idx in self.attn["layers"]
-
-    def build_attention(self, layer_idx: int) -> Attention:
-        attn = self.attn
-        return Attention(hidden_size=self.hidden_size, num_heads=attn["num_heads"],
-                         num_kv_heads=attn.get("num_kv_heads"), head_dim=attn.get("head_dim"),
-                         qkv_bias=attn.get("qkv_bias", False), qk_norm=attn.get("qk_norm", False),
-                         window_size=attn.get("window_size"),
-                         rope_theta=attn.get("rope_theta", 10000.0),
-                         max_position_embeddings=self.max_position_embeddings,
-                         norm_eps=self.norm_eps, layer_idx=layer_idx)
-
-    # ----------------------------------------------------------------------- checks
-    def check(self) -> None:
-        """Raise ``ValueError`` at construction for a config no model could be built
-        from: the mixers (and attention layers) are built once on the meta device, so
-        their own checks (e.g. hidden size not divisible by heads) apply here."""
-        _positive_int("vocab_size", self.vocab_size)
-        _positive_int("hidden_size", self.hidden_size)
-        _positive_int("num_hidden_layers", self.num_hidden_layers)
-        if self.attn is not None:
-            unknown = set(self.attn) - set(ATTN_KEYS)
-            if unknown:
-                raise ValueError(f"attn: unknown keys {sorted(unknown)}; expected some of "
-                                 f"{list(ATTN_KEYS)}")
-            if "layers" not in self.attn or "num_heads" not in self.attn:
-                raise ValueError("attn: expected at least 'layers' (indices) and 'num_heads'")
-            layers = self.attn["layers"]
-            if not isinstance(layers, (list, tuple)) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and
-                    0 <= i < self.num_hidden_layers for i in layers):
-                raise ValueError(f"attn['layers']: expected a list of layer indices in "
-                                 f"[0, num_hidden_layers = {self.num_hidden_layers}), got "
-                                 f"{layers!r}")
-            self.attn["layers"] = sorted(set(layers))
-        with torch.device("meta"):
-            kinds = {self.is_attention_layer(i): i for i in range(self.num_hidden_layers)}
-            for is_attn, i in kinds.items():
-                self.build_attention(i) if is_attn else self.build_mixer(i)
-            if self.use_mlp:
-                self.build_mlp(0)
-            self.build_norm()
 
 
 class FLABlock(nn.Module):
@@ -271,6 +152,8 @@ class FLAModel(FLAPreTrainedModel):
                 raise ValueError(f"inputs_embeds: expected [batch, length, hidden_size = "
                                  f"{self.config.hidden_size}], got {tuple(inputs_embeds.shape)}")
             B, T = inputs_embeds.shape[:2]
+        from fla.utils.validation import check_cu_seqlens
+
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or \
                     attention_mask.shape[1] < T:
@@ -444,6 +327,8 @@ class FLAForCausalLM(FLAPreTrainedModel, GenerationMixin):
                              cu_seqlens=cu_seqlens)
         hidden_states = outputs.last_hidden_state
         loss, logits = None, None
+        from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
+
         fuse_linear = labels is not None and self.config.fuse_linear_cross_entropy
         if not fuse_linear:
             keep = hidden_states if labels is not None or not logits_to_keep \

@@ -1,8 +1,12 @@
 """DeltaNet models: the config (mixer settings) and :class:`fla.layers.DeltaNet` as mixer."""
 from __future__ import annotations
 
-from fla.layers.delta_net import DeltaNet
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.delta_net import DeltaNet
 
 
 class DeltaNetConfig(FLAConfig):
@@ -24,6 +28,8 @@ class DeltaNetConfig(FLAConfig):
         super().__init__(hidden_size=hidden_size, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> DeltaNet:
+        from fla.layers.delta_net import DeltaNet
+
         return DeltaNet(hidden_size=self.hidden_size, expand_k=self.expand_k,
                         expand_v=self.expand_v, num_heads=self.num_heads, mode=self.attn_mode,
                         use_beta=self.use_beta, use_gate=self.use_gate,
@@ -32,10 +38,7 @@ class DeltaNetConfig(FLAConfig):
                         qk_norm=self.qk_norm, norm_eps=self.norm_eps, layer_idx=layer_idx)
 
 
-class DeltaNetModel(FLAModel):
-    config_class = DeltaNetConfig
-
-
-class DeltaNetForCausalLM(FLAForCausalLM):
-    config_class = DeltaNetConfig
-    model_class = DeltaNetModel
+def __getattr__(name: str):
+    """``DeltaNetModel`` and ``DeltaNetForCausalLM``: the shared model classes bound to
+    :class:`DeltaNetConfig` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(DeltaNetConfig, name)

@@ -2,8 +2,12 @@
 as mixer."""
 from __future__ import annotations
 
-from fla.layers.gated_deltanet import GatedDeltaNet
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.gated_deltanet import GatedDeltaNet
 
 
 class GatedDeltaNetConfig(FLAConfig):
@@ -24,6 +28,8 @@ class GatedDeltaNetConfig(FLAConfig):
         super().__init__(hidden_size=hidden_size, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> GatedDeltaNet:
+        from fla.layers.gated_deltanet import GatedDeltaNet
+
         return GatedDeltaNet(hidden_size=self.hidden_size, expand_v=self.expand_v,
                              head_dim=self.head_dim, num_heads=self.num_heads,
                              num_v_heads=self.num_v_heads, mode=self.attn_mode,
@@ -32,10 +38,7 @@ class GatedDeltaNetConfig(FLAConfig):
                              norm_eps=self.norm_eps, layer_idx=layer_idx)
 
 
-class GatedDeltaNetModel(FLAModel):
-    config_class = GatedDeltaNetConfig
-
-
-class GatedDeltaNetForCausalLM(FLAForCausalLM):
-    config_class = GatedDeltaNetConfig
-    model_class = GatedDeltaNetModel
+def __getattr__(name: str):
+    """``GatedDeltaNetModel`` and ``GatedDeltaNetForCausalLM``: the shared model classes bound to
+    :class:`GatedDeltaNetConfig` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(GatedDeltaNetConfig, name)

@@ -2,8 +2,12 @@
 as mixer."""
 from __future__ import annotations
 
-from fla.layers.gla import GatedLinearAttention
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.gla import GatedLinearAttention
 
 
 class GLAConfig(FLAConfig):
@@ -26,6 +30,8 @@ class GLAConfig(FLAConfig):
         super().__init__(hidden_size=hidden_size, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> GatedLinearAttention:
+        from fla.layers.gla import GatedLinearAttention
+
         return GatedLinearAttention(
             hidden_size=self.hidden_size, expand_k=self.expand_k, expand_v=self.expand_v,
             num_heads=self.num_heads, mode=self.attn_mode, use_short_conv=self.use_short_conv,
@@ -35,10 +41,7 @@ class GLAConfig(FLAConfig):
             norm_eps=self.norm_eps, layer_idx=layer_idx)
 
 
-class GLAModel(FLAModel):
-    config_class = GLAConfig
-
-
-class GLAForCausalLM(FLAForCausalLM):
-    config_class = GLAConfig
-    model_class = GLAModel
+def __getattr__(name: str):
+    """``GLAModel`` and ``GLAForCausalLM``: the shared model classes bound to
+    :class:`GLAConfig` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(GLAConfig, name)

@@ -2,8 +2,12 @@
 blocks are ``x + mixer(norm(x))`` without an MLP, as in Mamba2."""
 from __future__ import annotations
 
-from fla.layers.mamba2 import Mamba2
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.mamba2 import Mamba2
 
 
 class Mamba2Config(FLAConfig):
@@ -35,6 +39,8 @@ class Mamba2Config(FLAConfig):
         super().__init__(hidden_size=hidden_size, norm_eps=norm_eps, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> Mamba2:
+        from fla.layers.mamba2 import Mamba2
+
         return Mamba2(hidden_size=self.hidden_size, num_heads=self.num_heads,
                       head_dim=self.head_dim, state_size=self.state_size, expand=self.expand,
                       n_groups=self.n_groups, conv_kernel=self.conv_kernel,
@@ -46,10 +52,7 @@ class Mamba2Config(FLAConfig):
                       layer_idx=layer_idx)
 
 
-class Mamba2Model(FLAModel):
-    config_class = Mamba2Config
-
-
-class Mamba2ForCausalLM(FLAForCausalLM):
-    config_class = Mamba2Config
-    model_class = Mamba2Model
+def __getattr__(name: str):
+    """``Mamba2Model`` and ``Mamba2ForCausalLM``: the shared model classes bound to
+    :class:`Mamba2Config` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(Mamba2Config, name)

@@ -2,8 +2,12 @@
 as mixer."""
 from __future__ import annotations
 
-from fla.layers.multiscale_retention import MultiScaleRetention
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.multiscale_retention import MultiScaleRetention
 
 
 class RetNetConfig(FLAConfig):
@@ -23,6 +27,8 @@ class RetNetConfig(FLAConfig):
         super().__init__(hidden_size=hidden_size, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> MultiScaleRetention:
+        from fla.layers.multiscale_retention import MultiScaleRetention
+
         return MultiScaleRetention(
             hidden_size=self.hidden_size, expand_k=self.expand_k, expand_v=self.expand_v,
             num_heads=self.num_heads, mode=self.attn_mode, use_short_conv=self.use_short_conv,
@@ -31,10 +37,7 @@ class RetNetConfig(FLAConfig):
             layer_idx=layer_idx)
 
 
-class RetNetModel(FLAModel):
-    config_class = RetNetConfig
-
-
-class RetNetForCausalLM(FLAForCausalLM):
-    config_class = RetNetConfig
-    model_class = RetNetModel
+def __getattr__(name: str):
+    """``RetNetModel`` and ``RetNetForCausalLM``: the shared model classes bound to
+    :class:`RetNetConfig` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(RetNetConfig, name)

@@ -2,9 +2,13 @@
 mix (:class:`fla.layers.RWKV6FeedForward`) as the blocks' feed-forward and LayerNorms."""
 from __future__ import annotations
 
-from fla.layers.rwkv6 import RWKV6Attention, RWKV6FeedForward
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
-from fla.modules import LayerNorm
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.rwkv6 import RWKV6Attention, RWKV6FeedForward
+    from fla.modules import LayerNorm
 
 
 class RWKV6Config(FLAConfig):
@@ -30,6 +34,8 @@ class RWKV6Config(FLAConfig):
                          norm_eps=norm_eps, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> RWKV6Attention:
+        from fla.layers.rwkv6 import RWKV6Attention
+
         return RWKV6Attention(
             hidden_size=self.hidden_size, expand_k=self.expand_k, expand_v=self.expand_v,
             num_heads=self.num_heads, mode=self.attn_mode,
@@ -37,17 +43,18 @@ class RWKV6Config(FLAConfig):
             norm_eps=self.norm_eps, layer_idx=layer_idx)
 
     def build_mlp(self, layer_idx: int) -> RWKV6FeedForward:
+        from fla.layers.rwkv6 import RWKV6FeedForward
+
         return RWKV6FeedForward(self.hidden_size, self.hidden_ratio, self.intermediate_size,
                                 layer_idx=layer_idx)
 
     def build_norm(self) -> LayerNorm:
+        from fla.modules import LayerNorm
+
         return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
 
 
-class RWKV6Model(FLAModel):
-    config_class = RWKV6Config
-
-
-class RWKV6ForCausalLM(FLAForCausalLM):
-    config_class = RWKV6Config
-    model_class = RWKV6Model
+def __getattr__(name: str):
+    """``RWKV6Model`` and ``RWKV6ForCausalLM``: the shared model classes bound to
+    :class:`RWKV6Config` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(RWKV6Config, name)

@@ -4,9 +4,13 @@ channel mix (:class:`fla.layers.RWKV7FeedForward`) as the blocks' feed-forward a
 LayerNorms."""
 from __future__ import annotations
 
-from fla.layers.rwkv7 import RWKV7Attention, RWKV7FeedForward
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
-from fla.modules import LayerNorm
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.rwkv7 import RWKV7Attention, RWKV7FeedForward
+    from fla.modules import LayerNorm
 
 
 class RWKV7Config(FLAConfig):
@@ -34,6 +38,8 @@ class RWKV7Config(FLAConfig):
                          norm_eps=norm_eps, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> RWKV7Attention:
+        from fla.layers.rwkv7 import RWKV7Attention
+
         return RWKV7Attention(
             hidden_size=self.hidden_size, head_dim=self.head_dim, num_heads=self.num_heads,
             value_dim=self.value_dim, mode=self.attn_mode,
@@ -42,17 +48,18 @@ class RWKV7Config(FLAConfig):
             norm_eps=self.norm_eps, layer_idx=layer_idx)
 
     def build_mlp(self, layer_idx: int) -> RWKV7FeedForward:
+        from fla.layers.rwkv7 import RWKV7FeedForward
+
         return RWKV7FeedForward(self.hidden_size, self.hidden_ratio, self.intermediate_size,
                                 layer_idx=layer_idx)
 
     def build_norm(self) -> LayerNorm:
+        from fla.modules import LayerNorm
+
         return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
 
 
-class RWKV7Model(FLAModel):
-    config_class = RWKV7Config
-
-
-class RWKV7ForCausalLM(FLAForCausalLM):
-    config_class = RWKV7Config
-    model_class = RWKV7Model
+def __getattr__(name: str):
+    """``RWKV7Model`` and ``RWKV7ForCausalLM``: the shared model classes bound to
+    :class:`RWKV7Config` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(RWKV7Config, name)

@@ -2,8 +2,12 @@
 (rotary, optional sliding window, grouped key/value heads)."""
 from __future__ import annotations
 
-from fla.layers.attn import Attention
-from fla.models.base import FLAConfig, FLAForCausalLM, FLAModel
+from typing import TYPE_CHECKING
+
+from fla.models.config import FLAConfig, lazy_model_class
+
+if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
+    from fla.layers.attn import Attention
 
 
 class TransformerConfig(FLAConfig):
@@ -22,6 +26,8 @@ class TransformerConfig(FLAConfig):
         super().__init__(hidden_size=hidden_size, **kwargs)
 
     def build_mixer(self, layer_idx: int) -> Attention:
+        from fla.layers.attn import Attention
+
         return Attention(hidden_size=self.hidden_size, num_heads=self.num_heads,
                          num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias,
                          qk_norm=self.qk_norm, window_size=self.window_size,
@@ -30,10 +36,7 @@ class TransformerConfig(FLAConfig):
                          norm_eps=self.norm_eps, layer_idx=layer_idx)
 
 
-class TransformerModel(FLAModel):
-    config_class = TransformerConfig
-
-
-class TransformerForCausalLM(FLAForCausalLM):
-    config_class = TransformerConfig
-    model_class = TransformerModel
+def __getattr__(name: str):
+    """``TransformerModel`` and ``TransformerForCausalLM``: the shared model classes bound to
+    :class:`TransformerConfig` (see :func:`fla.models.config.model_classes`)."""
+    return lazy_model_class(TransformerConfig, name)
