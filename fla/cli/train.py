@@ -265,6 +265,8 @@ def run(args) -> int:
         if args.resume == "" and out is None:
             out = Path("runs") / models.ALIASES.get(args.model, args.model)
         resume_dir = find_checkpoint(args.resume if args.resume else out)
+        if out is None:     # --resume DIR: keep writing where that run wrote
+            out = resume_dir.parent if resume_dir.name == CHECKPOINT else resume_dir
     else:
         try:
             model_type, config_cls = models.resolve(args.model)
