@@ -18,34 +18,34 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_h import chunk_gates, chunk_tokens
+from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_bwd_dhu"]
 
 
 def _default(args) -> Config:
-    BK = tile_width(args["K"], 256)
-    return Config(BV=max(32, min(64, 4096 // BK, triton.next_power_of_2(args["V"]))),
-                  num_warps=4, num_stages=1)
+    # BV = 32: twice the programs of 64 for this latency-bound loop; 8 warps keep the
+    # fp32 64×64 tiles (A_*, Ai) at 16 registers a thread.
+    return Config(BV=32, num_warps=8, num_stages=1)
 
 
 def _space(args) -> list[Config]:
     BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
-            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (2, 4, 8) for s in (1, 2)]
+            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
 
 
-@tuned(key=["K", "V", "q", "dht", "dh0", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "V", "q", "dht", "dh0", "DT", "PRECISION"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_bwd_dhu_kernel(
     q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, dh, dz, dv, dh0, cu_seqlens, chunk_offsets,
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -124,5 +124,5 @@ def chunk_dplr_bwd_dhu(q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, scale, v_dtyp
         q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, dh, dz, dv, dh0, cu_seqlens,
         chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),
         USE_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
+        **dot_args(q.dtype, wide=True))
     return dh, dz, dv, dh0

@@ -1,4 +1,5 @@
-"""DPLR delta rule, backward through the four intra-chunk score matrices.
+"""DPLR delta rule, backward through the four intra-chunk score matrices, and the gate's
+gradient.
 
 For each matrix A[t,s] = Σ_k x_tk y_sk e^{gx_tk − gy_sk} of
 :mod:`fla.ops.common.chunk_dplr_fwd_intra` (q·k, q·b with gx = γ; a·k, a·b with
@@ -6,152 +7,209 @@ gx = γ⁻; gy = γ) and its gradient dA::
 
     dx_t += Σ_s dA[t,s] y_s e^{gx_t − gy_s}      dy_s += Σ_t dA[t,s] x_t e^{gx_t − gy_s}
 
-formed per 32-row sub-block pair with the same reference gates as the forward (every
-factor's exponent bounded by 16 steps of gate, ≤ 0 off the diagonal). One program per
-(chunk, head), K walked in BK tiles; the partial gradients of
-:mod:`fla.ops.common.chunk_dplr_bwd_local` are added and dq, dk, da, db written
-(float32).
+through the same gate-referenced factors as the forward (the diagonal 32×32 blocks as
+two dots referenced at tokens 7 and 23 of the block, the off-diagonal block at γ_31):
+every product a ``tl.dot`` of operands in the input dtype, fp32 accumulation.
+
+One program per (chunk, head, BK columns of K); the partial gradients of
+:mod:`fla.ops.common.chunk_dplr_bwd_local` are added, and with the complete fp32
+gradients the gate's gradient is formed before anything is rounded
+(:mod:`fla.ops.generalized_delta_rule.gate_grad` derives it), chunk-locally::
+
+    dgk_s = Σ_{t ≥ s, t in the chunk} (q⊙dq − b⊙db − k⊙dk + a⊙da)_t − (a⊙da)_s + off
+
+with ``off`` = Σ_v dS' ⊙ S' of the state leaving the chunk (from ``chunk_dplr_bwd_local``).
+The reverse sum runs over at most 64 tokens in fp32: nothing accumulates across chunks.
+dq, dk, da, db and dgk are written in their inputs' dtypes.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_dplr_fwd_intra import SUB, load_sub_block, sub_block_gates
-from fla.ops.utils.index import locate_chunk
+from fla.ops.common.chunk_dplr_fwd_intra import (
+    CHUNK_SIZE,
+    HALF,
+    diag_factors,
+    dot_args,
+    half_gates,
+    load_rows,
+)
+from fla.ops.utils.index import locate_sequence_chunk, prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_bwd_intra"]
 
 
 def _default(args) -> Config:
-    return Config(BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
+    return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=2)
 
 
 def _space(args) -> list[Config]:
-    widths = sorted({tile_width(args["K"], bk) for bk in (32, 64, 128)})
-    return [Config(BK=bk, num_warps=w, num_stages=s) for bk in widths for w in (2, 4, 8)
+    widths = sorted({tile_width(args["K"], bk) for bk in (32, 64)})
+    return [Config(BK=bk, num_warps=w, num_stages=s) for bk in widths for w in (4, 8)
             for s in (1, 2)]
 
 
 @triton.jit
-def _pair(x, gx, y, gy, ref, dA, PRECISION: tl.constexpr):
-    """(dx, dy) of one sub-block pair, referenced at ``ref``."""
-    ex = tl.exp(gx - ref[None, :])
-    ey = tl.exp(ref[None, :] - gy)
-    dx = tl.dot(dA, y * ey, input_precision=PRECISION) * ex
-    dy = tl.dot(tl.trans(dA), x * ex, input_precision=PRECISION) * ey
-    return dx, dy
+def _mm(x, y, DT: tl.constexpr, PRECISION: tl.constexpr):
+    return tl.dot(x.to(DT), y.to(DT), input_precision=PRECISION)
 
 
 @triton.jit
-def _load_dA(dA, ra, H: tl.constexpr, BT: tl.constexpr, o_r, m_r, col0):
-    p = dA + ra + o_r[:, None].to(tl.int64) * (H * BT) + col0 + o_r[None, :]
+def _mtm(x, y, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """xᵀ y."""
+    return tl.dot(tl.trans(x.to(DT)), y.to(DT), input_precision=PRECISION)
+
+
+@triton.jit
+def _diag_part(dQK, dQB, dAK, dAB, x_q, x_a, y_k, y_b, ex, ey, DT: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Gradients through one of a diagonal block's two dots (factors ``ex``, ``ey``):
+    (dq, d(a e^{−gk}), dk, db) contributions."""
+    qe, ae = x_q * ex, x_a * ex
+    ke, be = y_k * ey, y_b * ey
+    gq = (_mm(dQK, ke, DT, PRECISION) + _mm(dQB, be, DT, PRECISION)) * ex
+    ga = (_mm(dAK, ke, DT, PRECISION) + _mm(dAB, be, DT, PRECISION)) * ex
+    gk = (_mtm(dQK, qe, DT, PRECISION) + _mtm(dAK, ae, DT, PRECISION)) * ey
+    gb = (_mtm(dQB, qe, DT, PRECISION) + _mtm(dAB, ae, DT, PRECISION)) * ey
+    return gq, ga, gk, gb
+
+
+@triton.jit
+def _load_block(dA, row0, H: tl.constexpr, BT: tl.constexpr, o_r, m_r, col0):
+    """A [32, 32] block of a [.., H, BT] matrix from token-row offset ``row0``."""
+    p = dA + row0 + o_r[:, None].to(tl.int64) * (H * BT) + col0 + o_r[None, :]
     return tl.load(p, mask=m_r[:, None], other=0.0)
 
 
 @triton.jit
-def _add_store(x, dx, row0, H: tl.constexpr, K: tl.constexpr, o_r, m_r, o_k, m_k, value):
-    p = row0 + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
+def _finish(x, dx_part, dx, row, H: tl.constexpr, K: tl.constexpr, o_r, m_r, o_k, m_k):
+    """Add the partial gradient, store in dx's dtype; returns the fp32 gradient."""
+    p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
     m = m_r[:, None] & m_k[None, :]
-    tl.store(x + p, tl.load(dx + p, mask=m, other=0.0) + value, mask=m)
+    total = x + tl.load(dx_part + p, mask=m, other=0.0)
+    tl.store(dx + p, total.to(dx.dtype.element_ty), mask=m)
+    return total
 
 
-@tuned(key=["K", "q", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "q", "DT", "PRECISION"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_bwd_intra_kernel(
-    q, k, a, b, gk, dAqk, dAqb, dAak, dAab, dq, dk, da, db, cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    q, k, a, b, gk, dAqk, dAqb, dAak, dAab, pq, pk, pa, pb, off, dq, dk, da, db, dgk,
+    cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    o_r = tl.arange(0, SUB)
-    m_r0 = i_t * BT + o_r < T
-    m_r1 = i_t * BT + SUB + o_r < T
+    i_n, i_t, bos, T = locate_sequence_chunk(i_c, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    if IS_VARLEN:
+        chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    else:
+        chunk = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    o_r = tl.arange(0, HALF)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_lo = i_t * BT + o_r < T
+    m_hi = i_t * BT + HALF + o_r < T
     tok = bos + i_t * BT
-    row0 = (tok * H + i_h) * K
-    row1 = row0 + SUB * H * K
-    ra0 = (tok * H + i_h) * BT
-    ra1 = ra0 + SUB * H * BT
-    # The three non-zero sub-blocks (00, 10, 11) of each matrix's gradient.
-    qk00 = _load_dA(dAqk, ra0, H, BT, o_r, m_r0, 0)
-    qk10 = _load_dA(dAqk, ra1, H, BT, o_r, m_r1, 0)
-    qk11 = _load_dA(dAqk, ra1, H, BT, o_r, m_r1, SUB)
-    qb00 = _load_dA(dAqb, ra0, H, BT, o_r, m_r0, 0)
-    qb10 = _load_dA(dAqb, ra1, H, BT, o_r, m_r1, 0)
-    qb11 = _load_dA(dAqb, ra1, H, BT, o_r, m_r1, SUB)
-    ak00 = _load_dA(dAak, ra0, H, BT, o_r, m_r0, 0)
-    ak10 = _load_dA(dAak, ra1, H, BT, o_r, m_r1, 0)
-    ak11 = _load_dA(dAak, ra1, H, BT, o_r, m_r1, SUB)
-    ab00 = _load_dA(dAab, ra0, H, BT, o_r, m_r0, 0)
-    ab10 = _load_dA(dAab, ra1, H, BT, o_r, m_r1, 0)
-    ab11 = _load_dA(dAab, ra1, H, BT, o_r, m_r1, SUB)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        c0, c1, e0, e1, r15, r31, r47 = sub_block_gates(gk, row0, H, K, o_r, m_r0, m_r1,
-                                                        o_k, m_k, SUB)
-        q0 = load_sub_block(q, row0, H, K, o_r, m_r0, o_k, m_k)
-        q1 = load_sub_block(q, row1, H, K, o_r, m_r1, o_k, m_k)
-        k0 = load_sub_block(k, row0, H, K, o_r, m_r0, o_k, m_k)
-        k1 = load_sub_block(k, row1, H, K, o_r, m_r1, o_k, m_k)
-        a0 = load_sub_block(a, row0, H, K, o_r, m_r0, o_k, m_k)
-        a1 = load_sub_block(a, row1, H, K, o_r, m_r1, o_k, m_k)
-        b0 = load_sub_block(b, row0, H, K, o_r, m_r0, o_k, m_k)
-        b1 = load_sub_block(b, row1, H, K, o_r, m_r1, o_k, m_k)
-        # q·k and q·b
-        dq0, dk0 = _pair(q0, c0, k0, c0, r15, qk00, PRECISION)
-        dq1, dk0_ = _pair(q1, c1, k0, c0, r31, qk10, PRECISION)
-        dq1_, dk1 = _pair(q1, c1, k1, c1, r47, qk11, PRECISION)
-        dk0 += dk0_
-        dq1 += dq1_
-        x0, db0 = _pair(q0, c0, b0, c0, r15, qb00, PRECISION)
-        dq0 += x0
-        x1, db0_ = _pair(q1, c1, b0, c0, r31, qb10, PRECISION)
-        dq1 += x1
-        x1, db1 = _pair(q1, c1, b1, c1, r47, qb11, PRECISION)
-        dq1 += x1
-        db0 += db0_
-        # a·k and a·b
-        da0, y0 = _pair(a0, e0, k0, c0, r15, ak00, PRECISION)
-        dk0 += y0
-        da1, y0 = _pair(a1, e1, k0, c0, r31, ak10, PRECISION)
-        dk0 += y0
-        x1, y1 = _pair(a1, e1, k1, c1, r47, ak11, PRECISION)
-        da1 += x1
-        dk1 += y1
-        x0, y0 = _pair(a0, e0, b0, c0, r15, ab00, PRECISION)
-        da0 += x0
-        db0 += y0
-        x1, y0 = _pair(a1, e1, b0, c0, r31, ab10, PRECISION)
-        da1 += x1
-        db0 += y0
-        x1, y1 = _pair(a1, e1, b1, c1, r47, ab11, PRECISION)
-        da1 += x1
-        db1 += y1
-        _add_store(dq, dq, row0, H, K, o_r, m_r0, o_k, m_k, dq0)
-        _add_store(dq, dq, row1, H, K, o_r, m_r1, o_k, m_k, dq1)
-        _add_store(dk, dk, row0, H, K, o_r, m_r0, o_k, m_k, dk0)
-        _add_store(dk, dk, row1, H, K, o_r, m_r1, o_k, m_k, dk1)
-        _add_store(da, da, row0, H, K, o_r, m_r0, o_k, m_k, da0)
-        _add_store(da, da, row1, H, K, o_r, m_r1, o_k, m_k, da1)
-        _add_store(db, db, row0, H, K, o_r, m_r0, o_k, m_k, db0)
-        _add_store(db, db, row1, H, K, o_r, m_r1, o_k, m_k, db1)
+    r_lo = (tok * H + i_h) * K
+    r_hi = r_lo + HALF * H * K
+    ra_lo = (tok * H + i_h) * BT
+    ra_hi = ra_lo + HALF * H * BT
+
+    g_lo, c_lo, g_hi, c_hi, r31 = half_gates(gk, r_lo, H, K, o_r, m_lo, m_hi, o_k, m_k, HALF)
+    b_off = tl.load(off + (chunk * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    # Off-diagonal block (rows 32..63 × columns 0..31), referenced at γ_31 (exponents ≤ 0).
+    q_hi = load_rows(q, r_hi, H, K, o_r, m_hi, o_k, m_k)
+    a_hi = load_rows(a, r_hi, H, K, o_r, m_hi, o_k, m_k)
+    k_lo = load_rows(k, r_lo, H, K, o_r, m_lo, o_k, m_k)
+    b_lo = load_rows(b, r_lo, H, K, o_r, m_lo, o_k, m_k)
+    ex_o = tl.exp(c_hi - r31[None, :])
+    ey_o = tl.exp(r31[None, :] - c_lo)
+    e_hi = tl.exp(-g_hi)
+    qo = q_hi * ex_o
+    ao = a_hi * e_hi * ex_o
+    ko = k_lo * ey_o
+    bo = b_lo * ey_o
+    oQK = _load_block(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
+    oQB = _load_block(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
+    oAK = _load_block(dAak, ra_hi, H, BT, o_r, m_hi, 0)
+    oAB = _load_block(dAab, ra_hi, H, BT, o_r, m_hi, 0)
+    dq_hi = (_mm(oQK, ko, DT, PRECISION) + _mm(oQB, bo, DT, PRECISION)) * ex_o
+    da_hi = (_mm(oAK, ko, DT, PRECISION) + _mm(oAB, bo, DT, PRECISION)) * ex_o
+    dk_lo = (_mtm(oQK, qo, DT, PRECISION) + _mtm(oAK, ao, DT, PRECISION)) * ey_o
+    db_lo = (_mtm(oQB, qo, DT, PRECISION) + _mtm(oAB, ao, DT, PRECISION)) * ey_o
+
+    carry = tl.zeros([BK], dtype=tl.float32)
+    for i in tl.static_range(2):
+        # The upper half first: its column sums carry into the reverse sum of the lower.
+        if i == 0:
+            c, g, m_r, row, ra = c_hi, g_hi, m_hi, r_hi, ra_hi
+            x_q, x_a = q_hi, a_hi
+            y_k = load_rows(k, r_hi, H, K, o_r, m_hi, o_k, m_k)
+            y_b = load_rows(b, r_hi, H, K, o_r, m_hi, o_k, m_k)
+            dx_q, dx_a = dq_hi, da_hi
+            dy_k = tl.zeros([HALF, BK], dtype=tl.float32)
+            dy_b = tl.zeros([HALF, BK], dtype=tl.float32)
+            e_g = e_hi
+            col = HALF
+        else:
+            c, g, m_r, row, ra = c_lo, g_lo, m_lo, r_lo, ra_lo
+            x_q = load_rows(q, r_lo, H, K, o_r, m_lo, o_k, m_k)
+            x_a = load_rows(a, r_lo, H, K, o_r, m_lo, o_k, m_k)
+            y_k, y_b = k_lo, b_lo
+            dx_q = tl.zeros([HALF, BK], dtype=tl.float32)
+            dx_a = tl.zeros([HALF, BK], dtype=tl.float32)
+            dy_k, dy_b = dk_lo, db_lo
+            e_g = tl.exp(-g_lo)
+            col = 0
+        ex_a, ex_b, ey_a, ey_b = diag_factors(c, o_r, HALF)
+        xa = x_a * e_g
+        dQK = _load_block(dAqk, ra, H, BT, o_r, m_r, col)
+        dQB = _load_block(dAqb, ra, H, BT, o_r, m_r, col)
+        dAK = _load_block(dAak, ra, H, BT, o_r, m_r, col)
+        dAB = _load_block(dAab, ra, H, BT, o_r, m_r, col)
+        # The diagonal block's two dots, one after the other (fewer live tiles).
+        gq, ga, gk_, gb = _diag_part(dQK, dQB, dAK, dAB, x_q, xa, y_k, y_b, ex_a, ey_a,
+                                     DT, PRECISION)
+        dx_q += gq
+        dx_a += ga
+        dy_k += gk_
+        dy_b += gb
+        gq, ga, gk_, gb = _diag_part(dQK, dQB, dAK, dAB, x_q, xa, y_k, y_b, ex_b, ey_b,
+                                     DT, PRECISION)
+        dx_q += gq
+        dx_a += ga
+        dy_k += gk_
+        dy_b += gb
+        dx_a = dx_a * e_g
+        t_q = _finish(dx_q, pq, dq, row, H, K, o_r, m_r, o_k, m_k)
+        t_a = _finish(dx_a, pa, da, row, H, K, o_r, m_r, o_k, m_k)
+        t_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
+        t_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
+        ada = x_a * t_a
+        term = x_q * t_q - y_b * t_b - y_k * t_k + ada
+        b_dg = tl.cumsum(term, axis=0, reverse=True) + (carry + b_off)[None, :] - ada
+        carry += tl.sum(term, axis=0)
+        p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
+        tl.store(dgk + p, b_dg.to(dgk.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
 
 
-def chunk_dplr_bwd_intra(q, k, a, b, gk, dA, grads, cu_seqlens=None, chunk_indices=None,
-                         chunk_size=64):
-    """Adds the score-matrix gradients ``dA = (dA_qk, dA_qb, dA_ak, dA_ab)`` into the
-    float32 partial gradients ``grads = [dq, dk, da, db]`` (in place); returns them."""
+def chunk_dplr_bwd_intra(q, k, a, b, gk, dA, grads, off, out, cu_seqlens=None,
+                         chunk_indices=None, offsets=None, chunk_size=CHUNK_SIZE):
+    """From the score-matrix gradients ``dA = (dA_qk, dA_qb, dA_ak, dA_ab)``, the
+    float32 partial gradients ``grads = [dq, dk, da, db]`` and the per-chunk gate term
+    ``off [NT_total, H, K]`` (see :mod:`fla.ops.common.chunk_dplr_bwd_local`), write
+    ``out = (dq, dk, da, db, dgk)`` (allocated by the caller in the final dtypes)."""
     B, T, H, K = q.shape
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
-    chunk_dplr_bwd_intra_kernel[(NT, B * H)](
-        q, k, a, b, gk, *dA, *grads, cu_seqlens, chunk_indices, T, H=H, K=K, BT=chunk_size,
-        SUB=SUB, IS_VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
-    return grads
+    chunk_offsets = (None if cu_seqlens is None else
+                     prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets))
+    chunk_dplr_bwd_intra_kernel[lambda meta: (NT, B * H, triton.cdiv(K, meta["BK"]))](
+        q, k, a, b, gk, *dA, *grads, off, *out, cu_seqlens, chunk_indices, chunk_offsets, T,
+        H=H, K=K, BT=chunk_size, HALF=HALF, IS_VARLEN=cu_seqlens is not None,
+        **dot_args(q.dtype, wide=True))
+    return out

@@ -10,8 +10,14 @@ and the reverse pass (γ the chunk-local cumulative gate, γ⁻ = γ − gk)::
     dA_qk = scale dO Vᵀ (s ≤ t)   dA_qb = scale dO uᵀ (s ≤ t)
     dA_ak = dZ Vᵀ (s < t)         dA_ab = dZ uᵀ (s < t)
 
-(the last from u = (I − A_ab)⁻¹ Z: ∂L/∂A_ab = dZ uᵀ with dZ = Aiᵀ du). The gate's
-gradient is not formed here (``gate_grad``).
+(the last from u = (I − A_ab)⁻¹ Z: ∂L/∂A_ab = dZ uᵀ with dZ = Aiᵀ du). The grid's
+third axis splits the work: 0 the four gradients (and the gate term below), 1 the four
+dA. For the gate's gradient (formed in :mod:`fla.ops.common.chunk_dplr_bwd_intra`) it
+also writes, per chunk, Σ_v dS' ⊙ S' of the state leaving it::
+
+    off = e^{γ_C} ⊙ Σ_v (dS' ⊙ S) + Σ_t (k ⊙ dk_state + b ⊙ db_state)
+
+(dk_state, db_state: the two state terms above). Dot operands are in the input dtype.
 """
 from __future__ import annotations
 
@@ -20,9 +26,9 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_h import chunk_gates, chunk_tokens
+from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import locate_sequence_chunk
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_bwd_local"]
@@ -50,87 +56,110 @@ def _store_rows(x, row, W: tl.constexpr, H: tl.constexpr, o_t, m_t, o_c, value):
     tl.store(p, value, mask=m_t[:, None] & (o_c[None, :] < W))
 
 
-@tuned(key=["K", "V", "q", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "V", "q", "DT", "PRECISION"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_bwd_local_kernel(
-    q, k, v, a, b, gk, h, dh, u, dz, do, dq, dk, da, db, dAqk, dAqb, dAak, dAab,
+    q, k, v, a, b, gk, h, dh, u, dz, do, dq, dk, da, db, off, dAqk, dAqb, dAak, dAab,
     cu_seqlens, chunk_indices, chunk_offsets, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_bh, i_w = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T = locate_sequence_chunk(i_c, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    if IS_VARLEN:
-        chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
-    else:
-        chunk = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = i_t * BT + o_t < T
-    m_k = o_k < K
     tok = bos + i_t * BT
-    rk = (tok * H + i_h) * K
     rv = (tok * H + i_h) * V
-    rs = (chunk * H + i_h) * K * V
-
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_da = tl.zeros([BT, BK], dtype=tl.float32)
-    b_db = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        b_S = _load_state(h, rs, V, o_k, m_k, o_v, m_v)
-        b_dS = _load_state(dh, rs, V, o_k, m_k, o_v, m_v)
-        b_do = chunk_tokens(do, rv, V, H, o_t, m_t, o_v, m_v)
-        b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v)
-        b_u = chunk_tokens(u, rv, V, H, o_t, m_t, o_v, m_v)
-        b_dz = chunk_tokens(dz, rv, V, H, o_t, m_t, o_v, m_v)
-        b_dq += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
-        b_da += tl.dot(b_dz, tl.trans(b_S), input_precision=PRECISION)
-        b_dk += tl.dot(b_v, tl.trans(b_dS), input_precision=PRECISION)
-        b_db += tl.dot(b_u, tl.trans(b_dS), input_precision=PRECISION)
-        b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
-        b_dAak += tl.dot(b_dz, tl.trans(b_v), input_precision=PRECISION)
-        b_dAab += tl.dot(b_dz, tl.trans(b_u), input_precision=PRECISION)
-
-    c, ce, last = chunk_gates(gk, rk, H, K, o_t, m_t, o_k, m_k, BT)
-    to_end = tl.exp(last[None, :] - c)
-    _store_rows(dq, rk, K, H, o_t, m_t, o_k, b_dq * tl.exp(c) * scale)
-    _store_rows(dk, rk, K, H, o_t, m_t, o_k, b_dk * to_end)
-    _store_rows(da, rk, K, H, o_t, m_t, o_k, b_da * tl.exp(ce))
-    _store_rows(db, rk, K, H, o_t, m_t, o_k, b_db * to_end)
-    ra = (tok * H + i_h) * BT
-    causal = o_t[:, None] >= o_t[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    _store_rows(dAqk, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqk * scale, 0.0))
-    _store_rows(dAqb, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqb * scale, 0.0))
-    _store_rows(dAak, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAak, 0.0))
-    _store_rows(dAab, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAab, 0.0))
+    if i_w == 0:
+        # The gradients through the state and the decayed vectors, and the gate term.
+        if IS_VARLEN:
+            chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+        else:
+            chunk = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        rk = (tok * H + i_h) * K
+        rs = (chunk * H + i_h) * K * V
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        b_da = tl.zeros([BT, BK], dtype=tl.float32)
+        b_db = tl.zeros([BT, BK], dtype=tl.float32)
+        b_hs = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            b_S = _load_state(h, rs, V, o_k, m_k, o_v, m_v)
+            b_dS = _load_state(dh, rs, V, o_k, m_k, o_v, m_v)
+            b_hs += tl.sum(b_S * b_dS, axis=1)
+            b_S = b_S.to(DT)
+            b_dS = b_dS.to(DT)
+            b_do = chunk_tokens(do, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_u = chunk_tokens(u, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_dz = chunk_tokens(dz, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_dq += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
+            b_da += tl.dot(b_dz, tl.trans(b_S), input_precision=PRECISION)
+            b_dk += tl.dot(b_v, tl.trans(b_dS), input_precision=PRECISION)
+            b_db += tl.dot(b_u, tl.trans(b_dS), input_precision=PRECISION)
+        c, ce, last = chunk_gates(gk, rk, H, K, o_t, m_t, o_k, m_k, BT)
+        to_end = tl.exp(last[None, :] - c)
+        b_dk = b_dk * to_end
+        b_db = b_db * to_end
+        _store_rows(dq, rk, K, H, o_t, m_t, o_k, b_dq * tl.exp(c) * scale)
+        _store_rows(dk, rk, K, H, o_t, m_t, o_k, b_dk)
+        _store_rows(da, rk, K, H, o_t, m_t, o_k, b_da * tl.exp(ce))
+        _store_rows(db, rk, K, H, o_t, m_t, o_k, b_db)
+        # Σ_v dS' ⊙ S' with S' = e^{γ_C} ⊙ S + (b ⊙ e^{γ_C − γ})ᵀ u + (k ⊙ e^{γ_C − γ})ᵀ V.
+        b_k = chunk_tokens(k, rk, K, H, o_t, m_t, o_k, m_k)
+        b_b = chunk_tokens(b, rk, K, H, o_t, m_t, o_k, m_k)
+        b_off = tl.exp(last) * b_hs + tl.sum(b_k * b_dk + b_b * b_db, axis=0)
+        tl.store(off + (chunk * H + i_h) * K + o_k, b_off, mask=m_k)
+    else:
+        # The gradients of the four score matrices.
+        b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            b_do = chunk_tokens(do, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_u = chunk_tokens(u, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_dz = chunk_tokens(dz, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+            b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
+            b_dAak += tl.dot(b_dz, tl.trans(b_v), input_precision=PRECISION)
+            b_dAab += tl.dot(b_dz, tl.trans(b_u), input_precision=PRECISION)
+        ra = (tok * H + i_h) * BT
+        causal = o_t[:, None] >= o_t[None, :]
+        strict = o_t[:, None] > o_t[None, :]
+        _store_rows(dAqk, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqk * scale, 0.0))
+        _store_rows(dAqb, ra, BT, H, o_t, m_t, o_t, tl.where(causal, b_dAqb * scale, 0.0))
+        _store_rows(dAak, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAak, 0.0))
+        _store_rows(dAab, ra, BT, H, o_t, m_t, o_t, tl.where(strict, b_dAab, 0.0))
 
 
 def chunk_dplr_bwd_local(q, k, v, a, b, gk, h, dh, u, dz, do, scale, cu_seqlens=None,
-                         chunk_indices=None, offsets=None, chunk_size=64):
-    """Returns ``(dq, dk, da, db)`` partial gradients ``[B, T, H, K]`` and ``(dA_qk,
-    dA_qb, dA_ak, dA_ab)`` ``[B, T, H, BT]``, all float32."""
+                         chunk_indices=None, offsets=None, chunk_size=64, NT_total=None):
+    """Returns ``(dq, dk, da, db)`` partial gradients ``[B, T, H, K]``, the gate term
+    ``off [NT_total, H, K]`` (Σ_v dS' ⊙ S' of the state leaving each chunk) and
+    ``(dA_qk, dA_qb, dA_ak, dA_ab)`` ``[B, T, H, BT]``, all float32."""
     from fla.ops.utils.index import prepare_chunk_offsets
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    NT_total = h.shape[0] if NT_total is None else NT_total
     chunk_offsets = (None if cu_seqlens is None else
                      prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets))
     f32 = dict(dtype=torch.float32, device=q.device)
     grads = [torch.empty(B, T, H, K, **f32) for _ in range(4)]
+    off = torch.empty(NT_total, H, K, **f32)
     dA = [torch.empty(B, T, H, chunk_size, **f32) for _ in range(4)]
-    chunk_dplr_bwd_local_kernel[(NT, B * H)](
-        q, k, v, a, b, gk, h, dh, u, dz, do, *grads, *dA, cu_seqlens, chunk_indices,
+    chunk_dplr_bwd_local_kernel[(NT, B * H, 2)](
+        q, k, v, a, b, gk, h, dh, u, dz, do, *grads, off, *dA, cu_seqlens, chunk_indices,
         chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),
-        IS_VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
-    return grads, dA
+        IS_VARLEN=cu_seqlens is not None, **dot_args(q.dtype))
+    return grads, off, dA

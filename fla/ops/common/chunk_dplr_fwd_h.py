@@ -10,7 +10,8 @@ Ai = (I − A_ab)⁻¹ from solve_tril)::
     S' = e^{γ_C} ⊙ S + (b ⊙ e^{γ_C − γ})ᵀ u + (k ⊙ e^{γ_C − γ})ᵀ V
 
 Every exponent is ≤ 0. With ``SAVE`` (training) the state entering each chunk (h) and u
-are stored for the backward. All products are float32 ``tl.dot``s.
+are stored for the backward. Products are fp32 ``tl.dot``s (tf32 for 16-bit inputs: the
+state recurrence is where rounding accumulates).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_fwd_h", "chunk_tokens"]
@@ -46,26 +47,26 @@ def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
 
 
 def _default(args) -> Config:
-    # BV >= 32: the narrowest dot tile we use (fla.utils.triton_facts.MIN_DOT_TILE).
-    BK = tile_width(args["K"], 256)
-    return Config(BV=max(32, min(64, 4096 // BK, triton.next_power_of_2(args["V"]))),
-                  num_warps=4, num_stages=1)
+    # BV = 32 (the narrowest dot tile we use, fla.utils.triton_facts.MIN_DOT_TILE): twice
+    # the programs of 64 for this latency-bound loop; 8 warps keep the fp32 64×64 tiles
+    # (A_*, Ai) at 16 registers a thread.
+    return Config(BV=32, num_warps=8, num_stages=1)
 
 
 def _space(args) -> list[Config]:
     BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
-            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (2, 4, 8) for s in (1, 2)]
+            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
 
 
-@tuned(key=["K", "V", "q", "h0", "SAVE", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "V", "q", "h0", "SAVE", "DT", "PRECISION"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_fwd_h_kernel(
     q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, h0, ht, cu_seqlens, chunk_offsets,
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    SAVE: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -83,7 +84,6 @@ def chunk_dplr_fwd_h_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
     o_s = o_k[:, None] * V + o_v[None, :]
-    causal = o_t[:, None] >= o_t[None, :]
     o_a = tl.arange(0, BT)
     m_a = o_a < BT
 
@@ -97,32 +97,35 @@ def chunk_dplr_fwd_h_kernel(
         rv = (tok * H + i_h) * V
         ra = (tok * H + i_h) * BT
         c, ce, last = chunk_gates(gk, rk, H, K, o_t, m_t, o_k, m_k, BT)
-        b_q = chunk_tokens(q, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(c) * scale
-        b_a = chunk_tokens(a, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(ce)
-        to_end = tl.exp(last[None, :] - c)
-        b_b = chunk_tokens(b, rk, K, H, o_t, m_t, o_k, m_k) * to_end
-        b_k = chunk_tokens(k, rk, K, H, o_t, m_t, o_k, m_k) * to_end
-        b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v)
-        b_Ai = chunk_tokens(Ai, ra, BT, H, o_t, m_t, o_a, m_a)
-        b_Aak = chunk_tokens(Aak, ra, BT, H, o_t, m_t, o_a, m_a)
+        b_a = (chunk_tokens(a, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(ce)).to(DT)
+        b_v = chunk_tokens(v, rv, V, H, o_t, m_t, o_v, m_v).to(DT)
+        b_Aak = chunk_tokens(Aak, ra, BT, H, o_t, m_t, o_a, m_a).to(DT)
         if SAVE:
             p_h = h + ((first_chunk + i_t) * H + i_h) * K * V + o_s
             tl.store(p_h, b_S, mask=m_s)
-        b_z = tl.dot(b_a, b_S, input_precision=PRECISION)
+        b_Sd = b_S.to(DT)
+        b_z = tl.dot(b_a, b_Sd, input_precision=PRECISION)
         b_z += tl.dot(b_Aak, b_v, input_precision=PRECISION)
-        b_u = tl.dot(b_Ai, b_z, input_precision=PRECISION)
-        b_Aqb = chunk_tokens(Aqb, ra, BT, H, o_t, m_t, o_a, m_a)
-        b_Aqk = chunk_tokens(Aqk, ra, BT, H, o_t, m_t, o_a, m_a)
-        b_o = tl.dot(b_q, b_S, input_precision=PRECISION)
-        b_o += scale * tl.dot(tl.where(causal, b_Aqb, 0.0), b_u, input_precision=PRECISION)
-        b_o += scale * tl.dot(tl.where(causal, b_Aqk, 0.0), b_v, input_precision=PRECISION)
+        b_Ai = chunk_tokens(Ai, ra, BT, H, o_t, m_t, o_a, m_a).to(DT)
+        b_u = tl.dot(b_Ai, b_z.to(DT), input_precision=PRECISION)
+        b_ud = b_u.to(DT)
+        b_q = (chunk_tokens(q, rk, K, H, o_t, m_t, o_k, m_k) * (tl.exp(c) * scale)).to(DT)
+        b_o = tl.dot(b_q, b_Sd, input_precision=PRECISION)
+        b_Aqb = chunk_tokens(Aqb, ra, BT, H, o_t, m_t, o_a, m_a).to(DT)
+        b_Aqk = chunk_tokens(Aqk, ra, BT, H, o_t, m_t, o_a, m_a).to(DT)
+        b_o2 = tl.dot(b_Aqb, b_ud, input_precision=PRECISION)
+        b_o2 += tl.dot(b_Aqk, b_v, input_precision=PRECISION)
+        b_o += scale * b_o2
         p_o = o + rv + o_t[:, None].to(tl.int64) * (H * V) + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         if SAVE:
             p_u = u + rv + o_t[:, None].to(tl.int64) * (H * V) + o_v[None, :]
             tl.store(p_u, b_u, mask=m_t[:, None] & m_v[None, :])
+        to_end = tl.exp(last[None, :] - c)
+        b_b = (chunk_tokens(b, rk, K, H, o_t, m_t, o_k, m_k) * to_end).to(DT)
+        b_k = (chunk_tokens(k, rk, K, H, o_t, m_t, o_k, m_k) * to_end).to(DT)
         b_S = b_S * tl.exp(last)[:, None]
-        b_S += tl.dot(tl.trans(b_b), b_u, input_precision=PRECISION)
+        b_S += tl.dot(tl.trans(b_b), b_ud, input_precision=PRECISION)
         b_S += tl.dot(tl.trans(b_k), b_v, input_precision=PRECISION)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_s, b_S, mask=m_s)
@@ -155,6 +158,5 @@ def chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale, initial_state,
         q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, initial_state, ht, cu_seqlens,
         chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),
         USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE=save,
-        IS_VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(torch.float32 if q.dtype == torch.float32 else torch.float16))
+        IS_VARLEN=cu_seqlens is not None, **dot_args(q.dtype, wide=True))
     return o, ht, h, u

@@ -11,9 +11,9 @@ adjoint of the chunk's triangular system u = Ai Z, Z = (a ⊙ e^{γ⁻}) S + A_a
 
     dS', du, dZ, dv, dh0         chunk_dplr_bwd_dhu     (sequential, reverse)
     ∂/∂(q, k, a, b) through the decayed vectors, dA_* = (scale·dO Vᵀ, scale·dO uᵀ,
-        dZ Vᵀ, dZ uᵀ)            chunk_dplr_bwd_local   (parallel)
-    dq, dk, da, db through dA_*  chunk_dplr_bwd_intra   (parallel)
-    dgk from dq, dk, da, db      gate_grad.dplr_gate_grad (no state needed)
+        dZ Vᵀ, dZ uᵀ), Σ_v dS'⊙S' chunk_dplr_bwd_local  (parallel)
+    dq, dk, da, db through dA_*, and dgk from them (gate_grad's identity, summed
+        within the chunk in fp32)  chunk_dplr_bwd_intra (parallel)
 """
 from __future__ import annotations
 

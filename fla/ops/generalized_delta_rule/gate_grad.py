@@ -11,8 +11,10 @@ original inputs::
     ∂L/∂G_t = q_t⊙dq_t − b_t⊙db_t − k_t⊙dk_t + a_{t+1}⊙da_{t+1} + [t = T] Σ_v dht ⊙ S_T
     dgk_s   = Σ_{t≥s} ∂L/∂G_t
 
-Both the fused recurrent and the chunked backward use it: neither has to carry ∂/∂γ
-through its decay factors.
+The fused recurrent backward uses it as written: it need not carry ∂/∂γ through its
+decay factors. The chunked backward applies it per chunk (the chunk's entry state held
+fixed, Σ_v dS'⊙S' of the state leaving the chunk in place of the dht term), in fp32
+inside ``chunk_dplr_bwd_intra``: its sums then run over at most 64 tokens.
 """
 from __future__ import annotations
 
