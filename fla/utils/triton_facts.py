@@ -53,6 +53,12 @@ HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
 # costs nothing at real head sizes (>= 64).
 MIN_DOT_TILE = 32
 
+# Triton 3.3.1 aborts compiling the vector-gate state pass with its output fused
+# (chunk_gk_fwd_h_kernel, STORE_O) at 8 warps: "chooseStMatrixLayoutLeadingOffset:
+# Each chunk is filled in with a single warp" (offline sm_90 compile, every BV and stage
+# count); 3.6 and 3.9 compile all of them. 3.4/3.5 were not checked: treated as 3.3.
+WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 6)
+
 # In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it.
 INTERPRETER_BF16_DOT_IS_WRONG: bool = True
 
@@ -156,3 +162,16 @@ def dot_precision(dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "ieee" if is_interpreter() else "tf32x3"
+
+
+def fp32_dot_precision(input_dtype) -> str:
+    """``input_precision`` for ``tl.dot`` on fp32 operands formed from inputs of
+    ``input_dtype``, where a gradient cancels (a gate's ∂L/∂γ = q⊙dq − k⊙dk summed over
+    tokens) and 16-bit operands lose too much: measured on the H100, GLA's dg with bf16
+    dot operands missed the 5e-3 bound by up to 1.5x. 16-bit inputs: "tf32" (8x finer
+    than bf16); fp32 inputs: :func:`dot_precision` (their 1e-4 contract)."""
+    import torch
+
+    if input_dtype == torch.float32 or is_interpreter():
+        return dot_precision(torch.float32)
+    return "tf32"

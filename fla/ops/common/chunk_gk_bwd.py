@@ -32,7 +32,7 @@ import triton.language as tl
 from fla.ops.common.chunk_gk_fwd import gk_level_factor, gk_level_mask
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
+from fla.utils.triton_facts import fp32_dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gk_bwd_dqkg", "chunk_gk_bwd_dqkg_kernel"]
@@ -80,7 +80,9 @@ def chunk_gk_bwd_dqkg_kernel(
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     HK = H * K
-    dt = k.dtype.element_ty
+    # Every dot on fp32 operands (DOT_PRECISION from fp32_dot_precision): dg is a
+    # cancelling sum of q⊙dq − k⊙dk, and bf16-rounded dA, q̃, k̃ or states miss its bound.
+    dt = tl.float32
     base = (row0 * H + i_h) * K
     # Scalar int64 bases, int32 tile offsets (64-bit address tiles cost two registers
     # an element).
@@ -188,5 +190,5 @@ def chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale: float, u=None, cu_seq
         q=q, k=k, v=v, g_cum=g_cum, u=u, h=h, do=do, dh=dh, dq=dq, dk=dk, dg=dg, du=du,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V,
         EXCLUSIVE=exclusive, USE_U=u is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=dot_precision(k.dtype))
+        DOT_PRECISION=fp32_dot_precision(k.dtype))
     return dq, dk, dg, (du.sum(0) if du is not None else None)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
-from fla.utils.triton_facts import dot_precision
+from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_kernel",
@@ -153,14 +153,18 @@ def _h_default(args) -> Config:
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
-    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=8,
-                  num_stages=2)
+    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32),
+                  num_warps=_h_max_warps(args), num_stages=2)
+
+
+def _h_max_warps(args) -> int:
+    return 8 if WIDE_STMATRIX_8_WARPS_OK or not args["STORE_O"] else 4
 
 
 def _h_space(args) -> list[Config]:
     return list(dict.fromkeys(
         Config(BV=tile_width(args["V"], bv), num_warps=w, num_stages=s)
-        for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)))
+        for bv in (32, 64) for w in (4, 8) if w <= _h_max_warps(args) for s in (1, 2, 3)))
 
 
 @triton.jit
