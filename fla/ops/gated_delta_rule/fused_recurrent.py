@@ -45,6 +45,8 @@ walk back from S_T is not safe when exp(g) is tiny or I − βkkᵀ is near-sing
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -54,77 +56,22 @@ import triton.language as tl
 # tl.reduce with _sum_combine maps to one numpy sum. On the GPU the two are the same.
 from triton.language.standard import _sum_combine
 
+from fla.ops.common.fused_recurrent_tiles import (
+    block_k as _block_k,
+    bwd_block_v as _bwd_block_v,
+    bwd_config_space as _bwd_config_space,
+    bwd_default_config as _bwd_default_config,
+    config_space,
+    default_config as _default_config,
+    sequence_bounds as _sequence_bounds,
+)
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 
-
-
-# ----------------------------------------------------------------------- tile choice
-def _block_k(K: int) -> int:
-    # One tile covers all of K: Sᵀk and S·dw are then complete inside one program.
-    return triton.next_power_of_2(K)
-
-
-def _default_config(args) -> Config:
-    """About 64 float32 state elements a thread: BK = 128 -> BV = 16 on 1 warp,
-    BK = 256 -> BV = 16 on 2 warps. Measured on an H100 (Triton 3.6) at the decode step
-    (B=256, T=1, H=32, K=V=128, fp32 state), in % of the copy bandwidth: BV=16/1 warp
-    92, BV=32/1 warp 96, BV=32 at 2/4/8 warps 91/88/76, BV=64/1 warp 14 (spills). Over
-    long sequences (4×1024 tokens, H=16, H200) BV=32/1 warp is 4× slower than the best
-    while BV=16/1 warp is within 7% of it, hence 64 elements a thread, not 128."""
-    BK = args["BK"]
-    BV = min(triton.next_power_of_2(args["V"]), max(16, 2048 // BK))
-    return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
-
-
-def _config_space(args) -> list[Config]:
-    BK, Vp = args["BK"], triton.next_power_of_2(args["V"])
-    space = []
-    for BV in (8, 16, 32, 64, 128):
-        if BV > Vp or BK * BV > 16384:
-            continue
-        for warps in (1, 2, 4, 8):
-            if BK * BV // (32 * warps) < 4:  # fewer than 4 elements a thread: wasted lanes
-                continue
-            for stages in (1, 2):
-                space.append(Config(BV=BV, num_warps=warps, num_stages=stages))
-    return space
-
-
-def _bwd_block_v(K: int, V: int) -> int:
-    """The backward's V tile. It fixes the layout of the partial-sum buffers (dq, dk,
-    dbeta, dg are summed over V tiles afterwards), so the launcher chooses it and the
-    tuning layer only varies warps and stages. 4096 elements a tile: BK = 128 -> 32
-    (4 V tiles at V = 128; BV = 16 is 8% faster but doubles the partial buffers)."""
-    return min(triton.next_power_of_2(V), max(8, 4096 // _block_k(K)))
-
-
-def _bwd_default_config(args) -> Config:
-    # Measured (H200, 4×1024 tokens, H=16, K=V=128, BV=32): 1/2/4/8 warps 18.2/10.6/
-    # 6.0/5.8 ms: the reverse sweep keeps D and its products live, so spread them wide.
-    return Config(num_warps=min(8, max(1, args["BK"] * args["BV"] // 512)), num_stages=1)
-
-
-def _bwd_config_space(args) -> list[Config]:
-    tile = args["BK"] * args["BV"]
-    return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
-            if tile // (32 * w) >= 4]
-
-
-# ---------------------------------------------------------------------- jit helpers
-@triton.jit
-def _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    """First token (int64, in the packed token axis) and length of sequence ``i_n``."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        length = eos - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-        length = T
-    return bos, length
+# The forward also tries V tiles of 128 (the other families stop at 64).
+_config_space = functools.partial(config_space, block_vs=(8, 16, 32, 64, 128))
 
 
 # ------------------------------------------------------------------------- forward

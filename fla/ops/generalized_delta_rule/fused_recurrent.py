@@ -30,58 +30,20 @@ import triton.language as tl
 # interpreter); the same code on the GPU.
 from triton.language.standard import _sum_combine
 
+from fla.ops.common.fused_recurrent_tiles import (
+    block_k as _block_k,
+    bwd_block_v as _bwd_block_v,
+    bwd_config_space as _bwd_config_space,
+    bwd_default_config as _bwd_default_config,
+    config_space as _config_space,
+    default_config as _default_config,
+    sequence_bounds as _sequence_bounds,
+)
 from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
 from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
 from fla.utils.backend import Backend, select_backend
-from fla.utils.tuning import Config, tuned
-
-
-def _block_k(K: int) -> int:
-    return triton.next_power_of_2(K)
-
-
-def _default_config(args) -> Config:
-    # About 64 float32 state elements a thread, as the gated delta rule's fused kernel
-    # (measured there on H100): BK = 64 -> BV = 32, BK = 128 -> 16, on 1-2 warps.
-    BK = args["BK"]
-    BV = min(triton.next_power_of_2(args["V"]), max(16, 2048 // BK))
-    return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
-
-
-def _config_space(args) -> list[Config]:
-    BK, Vp = args["BK"], triton.next_power_of_2(args["V"])
-    return [Config(BV=bv, num_warps=w, num_stages=s)
-            for bv in (8, 16, 32, 64) if bv <= Vp and BK * bv <= 16384
-            for w in (1, 2, 4, 8) if BK * bv // (32 * w) >= 4 for s in (1, 2)]
-
-
-def _bwd_block_v(K: int, V: int) -> int:
-    """The backward's V tile; it fixes the partial-sum layout of dq, dk, da, db, so the
-    launcher picks it (4096 state elements a tile) and tuning varies warps only."""
-    return min(triton.next_power_of_2(V), max(8, 4096 // _block_k(K)))
-
-
-def _bwd_default_config(args) -> Config:
-    return Config(num_warps=min(8, max(1, args["BK"] * args["BV"] // 512)), num_stages=1)
-
-
-def _bwd_config_space(args) -> list[Config]:
-    tile = args["BK"] * args["BV"]
-    return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
-            if tile // (32 * w) >= 4]
-
-
-@triton.jit
-def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    """First token (int64 row of the packed token axis) and length of sequence i_n."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-        length = T
-    return bos, length
+from fla.utils.tuning import tuned
 
 
 @tuned(key=["K", "V", "q", "h0"], default=_default_config, space=_config_space)
@@ -94,7 +56,7 @@ def fused_recurrent_dplr_fwd_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -138,7 +100,7 @@ def fused_recurrent_dplr_bwd_kernel(
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, length = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
