@@ -9,14 +9,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_heads,
     check_layer_inputs,
     check_mode,
     decode_mode,
+    gated_output,
     mask_tokens,
-    short_convs,
+    project_qkv,
     token_mask,
+    update_cache,
 )
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
@@ -108,12 +111,8 @@ class DeltaNet(nn.Module):
         mask = token_mask(attention_mask, T)
         state = cached_state(past_key_values, self.layer_idx)
 
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        conv_state = None
-        if self.use_short_conv:
-            (q, k, v), conv_state = short_convs(
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
-                None if state is None else state["conv_state"], use_cache, mask, cu_seqlens)
+        q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
+                                          cu_seqlens)
         q = self._activate(q).view(B, T, self.num_heads, self.head_k_dim)
         k = self._activate(k).view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_heads, self.head_v_dim)
@@ -131,15 +130,9 @@ class DeltaNet(nn.Module):
 
         op = chunk_delta_rule if mode == "chunk" else fused_recurrent_delta_rule
         o, recurrent_state = op(
-            q, k, v, beta=beta, initial_state=None if state is None else state["recurrent_state"],
+            q, k, v, beta=beta, initial_state=cache_entry(state, "recurrent_state"),
             output_final_state=use_cache, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=self.qk_norm == "l2")
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
-                                   conv_state=conv_state, offset=T)
-        if self.use_gate:
-            g = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_v_dim)
-            o = self.o_norm(o, g)
-        else:
-            o = self.o_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), None, past_key_values
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=recurrent_state, conv_state=conv_state)
+        return gated_output(self, o, hidden_states, self.use_gate), None, past_key_values

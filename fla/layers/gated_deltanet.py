@@ -9,15 +9,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_heads,
     check_layer_inputs,
     check_mode,
     decode_mode,
+    gated_output,
     init_time_step_bias,
     mask_tokens,
-    short_convs,
+    project_qkv,
     token_mask,
+    update_cache,
 )
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -100,13 +103,9 @@ class GatedDeltaNet(nn.Module):
         mask = token_mask(attention_mask, T)
         state = cached_state(past_key_values, self.layer_idx)
 
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        conv_state = None
-        if self.use_short_conv:
-            (q, k, v), conv_state = short_convs(
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
-                None if state is None else state["conv_state"], use_cache, mask, cu_seqlens)
-        else:
+        q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
+                                          cu_seqlens)
+        if not self.use_short_conv:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
@@ -124,14 +123,8 @@ class GatedDeltaNet(nn.Module):
         op = chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule
         o, recurrent_state = op(
             q, k, v, g=g, beta=beta,
-            initial_state=None if state is None else state["recurrent_state"],
+            initial_state=cache_entry(state, "recurrent_state"),
             output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
-                                   conv_state=conv_state, offset=T)
-        if self.use_gate:
-            o = self.o_norm(o, self.g_proj(hidden_states).view(B, T, self.num_v_heads,
-                                                               self.head_v_dim))
-        else:
-            o = self.o_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), None, past_key_values
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=recurrent_state, conv_state=conv_state)
+        return gated_output(self, o, hidden_states, self.use_gate), None, past_key_values

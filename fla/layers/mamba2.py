@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_layer_inputs,
     check_mode,
@@ -17,6 +18,7 @@ from fla.layers.utils import (
     mask_tokens,
     short_conv,
     token_mask,
+    update_cache,
 )
 from fla.modules import GroupNorm, ShortConvolution
 from fla.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update
@@ -113,7 +115,7 @@ class Mamba2(nn.Module):
 
         z, xBC, dt = self.in_proj(hidden_states).split([I, self.conv_dim, H], dim=-1)
         xBC, conv_state = short_conv(self.conv1d, xBC,
-                                     None if state is None else state["conv_state"],
+                                     cache_entry(state, "conv_state"),
                                      use_cache, mask, cu_seqlens)
         x, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
         x = x.reshape(b, T, H, P)
@@ -123,7 +125,7 @@ class Mamba2(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)
         dt = mask_tokens(dt, mask)
         A = -self.A_log.float().exp()
-        h0 = None if state is None else state["recurrent_state"]
+        h0 = cache_entry(state, "recurrent_state")
 
         if mode == "chunk":
             out = mamba_chunk_scan_combined(
@@ -137,9 +139,8 @@ class Mamba2(nn.Module):
                                   else h0.clone())
         else:
             y, final = self._recurrent(x, dt, A, Bm, Cm, h0, use_cache, cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=final,
-                                   conv_state=conv_state, offset=T)
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=final, conv_state=conv_state)
         # Gate, then RMSNorm per group (Mamba2's norm_before_gate=False).
         y = y.reshape(b, T, I)
         y = self.norm((y.float() * F.silu(z.float())).to(y.dtype))

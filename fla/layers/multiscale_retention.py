@@ -7,16 +7,19 @@ import torch
 import torch.nn as nn
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_heads,
     check_layer_inputs,
     check_mode,
     decode_mode,
+    gated_output,
     mask_tokens,
     position_offsets,
+    project_qkv,
     seen_tokens,
-    short_convs,
     token_mask,
+    update_cache,
 )
 from fla.modules import FusedRMSNormGated, RMSNorm, RotaryEmbedding, ShortConvolution
 from fla.ops.retention import retention_log_decay
@@ -93,12 +96,8 @@ class MultiScaleRetention(nn.Module):
         mask = token_mask(attention_mask, T)
         state = cached_state(past_key_values, self.layer_idx)
 
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        conv_state = None
-        if self.use_short_conv:
-            (q, k, v), conv_state = short_convs(
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
-                None if state is None else state["conv_state"], use_cache, mask, cu_seqlens)
+        q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
+                                          cu_seqlens)
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_heads, self.head_v_dim)
@@ -114,14 +113,8 @@ class MultiScaleRetention(nn.Module):
             gates = {"g": mask_tokens(log_decay.expand(B, T, -1), mask)}
         op = chunk_simple_gla if mode == "chunk" else fused_recurrent_simple_gla
         o, recurrent_state = op(
-            q, k, v, **gates, initial_state=None if state is None else state["recurrent_state"],
+            q, k, v, **gates, initial_state=cache_entry(state, "recurrent_state"),
             output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
-                                   conv_state=conv_state, offset=T)
-        if self.use_output_gate:
-            o = self.o_norm(o, self.g_proj(hidden_states).view(B, T, self.num_heads,
-                                                               self.head_v_dim))
-        else:
-            o = self.o_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), None, past_key_values
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=recurrent_state, conv_state=conv_state)
+        return gated_output(self, o, hidden_states, self.use_output_gate), None, past_key_values

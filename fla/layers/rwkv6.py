@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_heads,
     check_layer_inputs,
@@ -32,6 +33,7 @@ from fla.layers.utils import (
     mask_tokens,
     token_mask,
     token_shift,
+    update_cache,
 )
 from fla.modules import GroupNorm
 from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
@@ -122,7 +124,7 @@ class RWKV6Attention(nn.Module):
         state = cached_state(past_key_values, self.layer_idx)
 
         x = hidden_states
-        x_prev, new_shift = token_shift(x, None if state is None else state["conv_state"],
+        x_prev, new_shift = token_shift(x, cache_entry(state, "conv_state"),
                                         mask, cu_seqlens)
         delta = x_prev - x
         lora = torch.tanh(self.maa_a(x + delta * self.x_maa))
@@ -141,11 +143,10 @@ class RWKV6Attention(nn.Module):
 
         op = chunk_rwkv6 if mode == "chunk" else fused_recurrent_rwkv6
         o, recurrent_state = op(r, k, v, w, self.bonus, scale=1.0,
-                                initial_state=None if state is None else state["recurrent_state"],
+                                initial_state=cache_entry(state, "recurrent_state"),
                                 output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
-                                   conv_state=new_shift, offset=T)
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=recurrent_state, conv_state=new_shift)
         o = self.g_norm(o.reshape(B, T, self.value_dim)) * self.gate_fn(g)
         return self.o_proj(o), None, past_key_values
 
@@ -187,10 +188,9 @@ class RWKV6FeedForward(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         mask = token_mask(attention_mask, x.shape[1])
         state = cached_state(past_key_values, self.layer_idx)
-        x_prev, new_shift = token_shift(x, None if state is None else state.get("ffn_state"),
+        x_prev, new_shift = token_shift(x, cache_entry(state, "ffn_state"),
                                         mask, cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, ffn_state=new_shift, offset=0)
+        update_cache(past_key_values, self.layer_idx, use_cache, 0, ffn_state=new_shift)
         delta = x_prev - x
         k = F.relu(self.key(x + delta * self.x_maa_k)).square()
         return torch.sigmoid(self.receptance(x + delta * self.x_maa_r)) * self.value(k)

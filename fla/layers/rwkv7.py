@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    cache_entry,
     cached_state,
     check_heads,
     check_layer_inputs,
@@ -39,6 +40,7 @@ from fla.layers.utils import (
     mask_tokens,
     token_mask,
     token_shift,
+    update_cache,
 )
 from fla.modules import GroupNorm
 from fla.ops.rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7
@@ -150,7 +152,7 @@ class RWKV7Attention(nn.Module):
         state = cached_state(past_key_values, self.layer_idx)
 
         x = hidden_states
-        x_prev, new_shift = token_shift(x, None if state is None else state["conv_state"],
+        x_prev, new_shift = token_shift(x, cache_entry(state, "conv_state"),
                                         mask, cu_seqlens)
         xr, xw, xk, xv, xa, xg = (x.unsqueeze(2) + (x_prev - x).unsqueeze(2)
                                   * self.x_maa).unbind(2)
@@ -177,11 +179,10 @@ class RWKV7Attention(nn.Module):
 
         op = chunk_rwkv7 if mode == "chunk" else fused_recurrent_rwkv7
         o, recurrent_state = op(r, w, k, v, -kk, b, scale=1.0,
-                                initial_state=None if state is None else state["recurrent_state"],
+                                initial_state=cache_entry(state, "recurrent_state"),
                                 output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, recurrent_state=recurrent_state,
-                                   conv_state=new_shift, offset=T)
+        update_cache(past_key_values, self.layer_idx, use_cache, T,
+                     recurrent_state=recurrent_state, conv_state=new_shift)
         o = self.g_norm(o.reshape(B, T, self.value_dim))
         bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v
         o = (o + bonus.reshape(B, T, self.value_dim)) * g
@@ -217,9 +218,8 @@ class RWKV7FeedForward(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         mask = token_mask(attention_mask, x.shape[1])
         state = cached_state(past_key_values, self.layer_idx)
-        x_prev, new_shift = token_shift(x, None if state is None else state.get("ffn_state"),
+        x_prev, new_shift = token_shift(x, cache_entry(state, "ffn_state"),
                                         mask, cu_seqlens)
-        if past_key_values is not None and use_cache:
-            past_key_values.update(self.layer_idx, ffn_state=new_shift, offset=0)
+        update_cache(past_key_values, self.layer_idx, use_cache, 0, ffn_state=new_shift)
         k = F.relu(self.key(x + (x_prev - x) * self.x_maa_k)).square()
         return self.value(k)

@@ -100,6 +100,20 @@ def cached_state(past_key_values, layer_idx: int | None) -> dict | None:
     return past_key_values[layer_idx]
 
 
+def cache_entry(state: dict | None, name: str):
+    """``state[name]`` (``'recurrent_state'``, ``'conv_state'``, ...) of the layer's cache
+    dict from :func:`cached_state`; None without a cache."""
+    return None if state is None else state[name]
+
+
+def update_cache(past_key_values, layer_idx: int | None, use_cache: bool, offset: int,
+                 **entries) -> None:
+    """Write this call's ``entries`` (``recurrent_state=``, ``conv_state=``, ...) into the
+    layer's cache entry, counting ``offset`` new tokens; only with ``use_cache``."""
+    if past_key_values is not None and use_cache:
+        past_key_values.update(layer_idx, offset=offset, **entries)
+
+
 def seen_tokens(past_key_values, layer_idx: int | None) -> int:
     if past_key_values is None or layer_idx is None:
         return 0
@@ -130,6 +144,35 @@ def short_convs(convs, xs, conv_state, use_cache: bool, mask: torch.Tensor | Non
         ys.append(y)
         states.append(s)
     return ys, (tuple(states) if use_cache else None)
+
+
+def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
+                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
+    """q, k, v of ``hidden_states [B, T, d]`` by ``layer.q_proj``, ``k_proj``, ``v_proj``,
+    then, with ``layer.use_short_conv``, its ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (see
+    :func:`short_convs`; their caches are the ``conv_state`` of ``state``). Returns
+    ``(q, k, v, conv_state)``, each of q, k, v ``[B, T, width]``; conv_state is None unless
+    the convolutions ran with ``use_cache``."""
+    q = layer.q_proj(hidden_states)
+    k = layer.k_proj(hidden_states)
+    v = layer.v_proj(hidden_states)
+    conv_state = None
+    if layer.use_short_conv:
+        (q, k, v), conv_state = short_convs(
+            (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), (q, k, v),
+            cache_entry(state, "conv_state"), use_cache, mask, cu_seqlens)
+    return q, k, v, conv_state
+
+
+def gated_output(layer, o: torch.Tensor, hidden_states: torch.Tensor, gated: bool):
+    """The heads' output ``o [B, T, H, V]`` through ``layer.o_norm`` (a gated RMSNorm fed
+    ``layer.g_proj(hidden_states)`` when ``gated``, else a plain one), heads merged, then
+    ``layer.o_proj``: ``[B, T, d]``."""
+    if gated:
+        o = layer.o_norm(o, layer.g_proj(hidden_states).view(o.shape))
+    else:
+        o = layer.o_norm(o)
+    return layer.o_proj(o.flatten(2))
 
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
