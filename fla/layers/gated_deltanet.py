@@ -9,20 +9,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    begin_forward,
     cache_entry,
-    cached_state,
     check_heads,
-    check_layer_inputs,
     check_mode,
-    decode_mode,
     gated_output,
     init_time_step_bias,
     mask_tokens,
+    output_norm,
     project_qkv,
-    token_mask,
+    qkv_short_convs,
     update_cache,
 )
-from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 __all__ = ["GatedDeltaNet"]
@@ -81,27 +79,19 @@ class GatedDeltaNet(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias,
-                                             activation="silu")
-            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias,
-                                             activation="silu")
-            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias,
-                                             activation="silu")
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = qkv_short_convs(
+                self.key_dim, self.value_dim, conv_size, conv_bias)
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-            self.o_norm = FusedRMSNormGated(self.head_v_dim, eps=norm_eps)
-        else:
-            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_norm = output_norm(self.head_v_dim, use_gate, norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False, output_attentions: bool = False,
                 cu_seqlens: torch.Tensor | None = None, **kwargs):
-        check_layer_inputs(hidden_states, self.hidden_size, attention_mask, cu_seqlens)
+        mode, mask, state = begin_forward(self, hidden_states, attention_mask, past_key_values,
+                                          cu_seqlens)
         B, T, _ = hidden_states.shape
-        mode = decode_mode(self.mode, T)
-        mask = token_mask(attention_mask, T)
-        state = cached_state(past_key_values, self.layer_idx)
 
         q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
                                           cu_seqlens)

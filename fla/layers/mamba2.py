@@ -9,15 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    begin_forward,
     cache_entry,
-    cached_state,
-    check_layer_inputs,
     check_mode,
-    decode_mode,
     init_time_step_bias,
     mask_tokens,
     short_conv,
-    token_mask,
     update_cache,
 )
 from fla.modules import GroupNorm, ShortConvolution
@@ -105,13 +102,11 @@ class Mamba2(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False, output_attentions: bool = False,
                 cu_seqlens: torch.Tensor | None = None, **kwargs):
-        check_layer_inputs(hidden_states, self.hidden_size, attention_mask, cu_seqlens)
+        mode, mask, state = begin_forward(self, hidden_states, attention_mask, past_key_values,
+                                          cu_seqlens)
         b, T, _ = hidden_states.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
         I = self.intermediate_size
-        mode = decode_mode(self.mode, T)
-        mask = token_mask(attention_mask, T)
-        state = cached_state(past_key_values, self.layer_idx)
 
         z, xBC, dt = self.in_proj(hidden_states).split([I, self.conv_dim, H], dim=-1)
         xBC, conv_state = short_conv(self.conv1d, xBC,

@@ -24,12 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fla.layers.utils import (
+    begin_forward,
     cache_entry,
     cached_state,
     check_heads,
-    check_layer_inputs,
     check_mode,
-    decode_mode,
     mask_tokens,
     token_mask,
     token_shift,
@@ -116,12 +115,10 @@ class RWKV6Attention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False, output_attentions: bool = False,
                 cu_seqlens: torch.Tensor | None = None, **kwargs):
-        check_layer_inputs(hidden_states, self.hidden_size, attention_mask, cu_seqlens)
+        mode, mask, state = begin_forward(self, hidden_states, attention_mask, past_key_values,
+                                          cu_seqlens)
         B, T, D = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        mode = decode_mode(self.mode, T)
-        mask = token_mask(attention_mask, T)
-        state = cached_state(past_key_values, self.layer_idx)
 
         x = hidden_states
         x_prev, new_shift = token_shift(x, cache_entry(state, "conv_state"),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+
 MODES = ("chunk", "fused_recurrent")
 
 
@@ -26,6 +28,18 @@ def check_mode(mode: str) -> str:
 def decode_mode(mode: str, T: int) -> str:
     """The recurrent kernel for single-token steps (decoding), ``mode`` otherwise."""
     return "fused_recurrent" if T == 1 else mode
+
+
+def begin_forward(layer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                  past_key_values, cu_seqlens: torch.Tensor | None):
+    """The first step of a recurrent layer's ``forward``: check the arguments
+    (:func:`check_layer_inputs`), choose the kernel (:func:`decode_mode`: recurrent for a
+    single-token step), the real tokens (:func:`token_mask`) and the layer's cache entry
+    (:func:`cached_state`). Returns ``(mode, mask, state)``."""
+    check_layer_inputs(hidden_states, layer.hidden_size, attention_mask, cu_seqlens)
+    T = hidden_states.shape[1]
+    return (decode_mode(layer.mode, T), token_mask(attention_mask, T),
+            cached_state(past_key_values, layer.layer_idx))
 
 
 def check_heads(hidden_size: int, num_heads: int, key_dim: int, value_dim: int) -> None:
@@ -144,6 +158,21 @@ def short_convs(convs, xs, conv_state, use_cache: bool, mask: torch.Tensor | Non
         ys.append(y)
         states.append(s)
     return ys, (tuple(states) if use_cache else None)
+
+
+def qkv_short_convs(key_dim: int, value_dim: int, conv_size: int, conv_bias: bool):
+    """The SiLU short convolutions of q, k (``key_dim`` channels) and v (``value_dim``),
+    created in that order; :func:`project_qkv` runs them as ``layer.q_conv1d``, ..."""
+    return tuple(ShortConvolution(width, conv_size, bias=conv_bias, activation="silu")
+                 for width in (key_dim, key_dim, value_dim))
+
+
+def output_norm(head_v_dim: int, gated: bool, eps: float, activation: str = "swish"):
+    """The per-head output norm :func:`gated_output` applies: RMSNorm gated by
+    ``activation`` of ``g_proj(x)`` when ``gated``, else a plain RMSNorm."""
+    if gated:
+        return FusedRMSNormGated(head_v_dim, eps=eps, activation=activation)
+    return RMSNorm(head_v_dim, eps=eps)
 
 
 def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
