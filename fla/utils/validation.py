@@ -28,6 +28,7 @@ __all__ = [
     "Dims", "FLOAT_DTYPES", "INDEX_DTYPES", "MAX_HEAD_DIM", "check_tensor", "check_dtype",
     "check_shape", "check_same_device", "check_head_dim", "check_time_major",
     "check_cu_seqlens", "read_offsets", "check_positive_length", "token_layout", "check_scale",
+    "check_sequences", "time_major",
 ]
 
 
@@ -246,3 +247,37 @@ def check_scale(scale: float | None, default: float) -> float:
     if scale != scale or scale in (float("inf"), float("-inf")):
         raise ValueError(f"scale: expected a finite number, got {scale}")
     return float(scale)
+
+
+def check_sequences(cu_seqlens, initial_state, dims: Dims, *, device: torch.device,
+                    batch_name: str, state_layout: str = "N H K V"):
+    """The packed-sequence rules every op shares: ``cu_seqlens`` against ``dims``' T and B
+    (:func:`check_cu_seqlens`), then ``initial_state`` against ``state_layout`` with N = B,
+    or the number of sequences under ``cu_seqlens`` (``batch_name`` names the tensor that
+    fixed B in the messages).
+
+    Returns ``(offsets or None, N, cu_seqlens on device)``; offsets is the host copy of
+    cu_seqlens, read here once.
+    """
+    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
+    N = len(offsets) - 1 if offsets is not None else dims["B"]
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=FLOAT_DTYPES)
+        dims["N"] = N
+        dims.source["N"] = ("cu_seqlens (N sequences)" if offsets is not None
+                            else f"{batch_name} (N = B)")
+        check_shape("initial_state", initial_state, state_layout, dims)
+    if cu_seqlens is not None and cu_seqlens.device != device:
+        cu_seqlens = cu_seqlens.to(device)
+    return offsets, N, cu_seqlens
+
+
+def time_major(x: torch.Tensor | None, head_first: bool) -> torch.Tensor | None:
+    """``x`` as a contiguous ``[B, T, ...]`` tensor (``head_first``: given as
+    ``[B, H, T, ...]``); None stays None. Kernels index with plain strides: a
+    non-contiguous view is copied, never read as if it were contiguous."""
+    if x is None:
+        return None
+    if head_first:
+        x = x.transpose(1, 2)
+    return x.contiguous()

@@ -9,10 +9,6 @@ the chunk-local cumulative log decay (γ_C at the chunk's last valid token):
 
 Without W (``w=None``) Vn = U: the state pass of simple GLA (ALGORITHMS.md §2), which
 calls this stage with U = V.
-
-With a vector gate (``USE_GK``: γ is ``[B, T, H, K]``, GLA and RWKV6, §3) the decay acts
-per state row: S ← diag(exp(γ_C)) S + (K ⊙ exp(γ_C − γ))ᵀ Vn, the key side scaled
-channel by channel before the dot (every exponent still a difference ≤ 0).
 """
 from __future__ import annotations
 
@@ -66,16 +62,7 @@ def _space(args) -> list[Config]:
     return list(dict.fromkeys(configs))
 
 
-@triton.jit
-def _gk_decayed_keys(b_k, g, p_g, b_gl, m_kt):
-    """A [BK, BT] key tile times exp(γ_C − γ) channel by channel (exponents ≤ 0, masked
-    before exp), in the key dtype; ``b_gl`` [BK] is γ at the chunk's last valid token."""
-    b_g = tl.load(g + p_g, mask=m_kt, other=0.).to(tl.float32)
-    b_e = tl.where(m_kt, tl.exp(tl.where(m_kt, b_gl[:, None] - b_g, 0.)), 0.)
-    return (b_k.to(tl.float32) * b_e).to(b_k.dtype)
-
-
-@tuned(key=["K", "V", "BT", "k", "w", "USE_GK"], default=_default, space=_space)
+@tuned(key=["K", "V", "BT", "k", "w"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_h_kernel(
     k, w, u, g, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T,
@@ -83,7 +70,6 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     SAVE_NEW_VALUE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GK: tl.constexpr = False,
 ):
     """One program per (V tile, head, sequence), looping over the sequence's chunks.
 
@@ -184,41 +170,19 @@ def chunk_gated_delta_rule_fwd_h_kernel(
         b_v = b_v.to(k.dtype.element_ty)
 
         # S += Kᵀ·Vn: K read transposed as [BK, BT] tiles straight from memory.
-        o_kt = (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
-        p_k = k + o_kt
-        if USE_GK:
-            # Vector gate: row j of S decays by exp(γ_C[j]); the keys by exp(γ_C − γ).
-            p_gl = g + (bos + tl.minimum((i_t + 1) * BT, T) - 1) * H * K + i_h * K + o_k
-        m_kt = (o_k < K)[:, None] & m_t[None, :]
-        b_k = tl.load(p_k, mask=m_kt, other=0.)
-        if USE_GK:
-            b_gl = tl.load(p_gl, mask=o_k < K, other=0.).to(tl.float32)
-            b_k = _gk_decayed_keys(b_k, g, o_kt, b_gl, m_kt)
-            b_h1 *= tl.exp(b_gl)[:, None]
+        p_k = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
+        b_k = tl.load(p_k, mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
         b_h1 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
         if K > BK:
-            m_kt = (BK + o_k < K)[:, None] & m_t[None, :]
-            b_k = tl.load(p_k + BK, mask=m_kt, other=0.)
-            if USE_GK:
-                b_gl = tl.load(p_gl + BK, mask=BK + o_k < K, other=0.).to(tl.float32)
-                b_k = _gk_decayed_keys(b_k, g, o_kt + BK, b_gl, m_kt)
-                b_h2 *= tl.exp(b_gl)[:, None]
+            b_k = tl.load(p_k + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :], other=0.)
             b_h2 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
         if K > 2 * BK:
-            m_kt = (2 * BK + o_k < K)[:, None] & m_t[None, :]
-            b_k = tl.load(p_k + 2 * BK, mask=m_kt, other=0.)
-            if USE_GK:
-                b_gl = tl.load(p_gl + 2 * BK, mask=2 * BK + o_k < K, other=0.).to(tl.float32)
-                b_k = _gk_decayed_keys(b_k, g, o_kt + 2 * BK, b_gl, m_kt)
-                b_h3 *= tl.exp(b_gl)[:, None]
+            b_k = tl.load(p_k + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
+                          other=0.)
             b_h3 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
         if K > 3 * BK:
-            m_kt = (3 * BK + o_k < K)[:, None] & m_t[None, :]
-            b_k = tl.load(p_k + 3 * BK, mask=m_kt, other=0.)
-            if USE_GK:
-                b_gl = tl.load(p_gl + 3 * BK, mask=3 * BK + o_k < K, other=0.).to(tl.float32)
-                b_k = _gk_decayed_keys(b_k, g, o_kt + 3 * BK, b_gl, m_kt)
-                b_h4 *= tl.exp(b_gl)[:, None]
+            b_k = tl.load(p_k + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
+                          other=0.)
             b_h4 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
@@ -252,8 +216,7 @@ def chunk_gated_delta_rule_fwd_h(
             w may be None (Vn = U: simple GLA's state pass).
         u: ``[B, T, H, V]`` the U factor (k's dtype), V ≤ 256.
         g: ``[B, T, H]`` chunk-local cumulative natural-log decay γ, what
-            ``chunk_local_cumsum`` returns (None: no decay); or ``[B, T, H, K]`` float32,
-            a vector gate (GLA: each state row decays by its own channel of γ).
+            ``chunk_local_cumsum`` returns (None: no decay).
         initial_state: ``[N, H, K, V]`` state before the first token (N = B, or the
             number of sequences with ``cu_seqlens``); None: zeros.
         output_final_state: also return the state after the last token.
@@ -285,11 +248,9 @@ def chunk_gated_delta_rule_fwd_h(
     check_dtype("u", u, (k.dtype,))
     check_shape("u", u, token_layout("B T H V", head_first), dims)
     check_head_dim("u", dims["V"], "V")
-    vector_gate = g is not None and g.dim() == 4
     if g is not None:
         check_tensor("g", g)
-        check_shape("g", g, token_layout("B T H K" if vector_gate else "B T H", head_first),
-                    dims)
+        check_shape("g", g, token_layout("B T H", head_first), dims)
     check_same_device(k=k, w=w, u=u, g=g, initial_state=initial_state)
     BT = check_chunk_size(chunk_size)
     B, T, H, K, V = dims["B"], dims["T"], dims["H"], dims["K"], dims["V"]
@@ -307,9 +268,6 @@ def chunk_gated_delta_rule_fwd_h(
         g = None if g is None else g.transpose(1, 2)
 
     if select_backend(k, w, u, g, initial_state) is Backend.TORCH:
-        if vector_gate:
-            raise NotImplementedError("chunk_gated_delta_rule_fwd_h: the PyTorch path takes "
-                                      "scalar gates [B, T, H] only")
         h, v_new, final_state = chunk_gated_delta_rule_fwd_h_torch(
             k, w, u, g, initial_state, output_final_state, offsets, BT, save_new_value)
     else:
@@ -332,8 +290,7 @@ def chunk_gated_delta_rule_fwd_h(
             k=k, w=w, u=u, g=g, h=h, v_new=v_new, h0=h0, ht=final_state,
             cu_seqlens=cu_seqlens if offsets is not None else None,
             chunk_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=BT,
-            BK=tile_width(K, 64), USE_G=g is not None and not vector_gate, USE_GK=vector_gate,
-            USE_W=w is not None,
+            BK=tile_width(K, 64), USE_G=g is not None, USE_W=w is not None,
             USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=output_final_state, SAVE_NEW_VALUE=save_new_value,
             IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),

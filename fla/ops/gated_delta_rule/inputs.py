@@ -13,15 +13,16 @@ import torch
 from fla.utils.validation import (
     FLOAT_DTYPES,
     Dims,
-    check_cu_seqlens,
     check_dtype,
     check_head_dim,
     check_positive_length,
     check_same_device,
     check_scale,
+    check_sequences,
     check_shape,
     check_tensor,
     check_time_major,
+    time_major,
     token_layout,
 )
 
@@ -48,14 +49,6 @@ class GatedDeltaInputs:
     N: int
 
 
-def _time_major(x: torch.Tensor | None, head_first: bool) -> torch.Tensor | None:
-    if x is None:
-        return None
-    if head_first:
-        x = x.transpose(1, 2)
-    # Kernels index with plain strides: a non-contiguous view must be copied, never
-    # read as if it were contiguous.
-    return x.contiguous()
 
 
 def prepare_gated_delta_inputs(q, k, v, g=None, beta=None, scale=None, initial_state=None,
@@ -90,19 +83,12 @@ def prepare_gated_delta_inputs(q, k, v, g=None, beta=None, scale=None, initial_s
             check_tensor(name, x, dtypes=FLOAT_DTYPES)
             check_shape(name, x, token_layout("B T HV", head_first), dims)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
-    N = len(offsets) - 1 if offsets is not None else dims["B"]
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, dtypes=FLOAT_DTYPES)
-        dims["N"] = N
-        dims.source["N"] = "cu_seqlens (N sequences)" if offsets is not None else "q (N = B)"
-        check_shape("initial_state", initial_state, "N HV K V", dims)
-    if cu_seqlens is not None and cu_seqlens.device != q.device:
-        cu_seqlens = cu_seqlens.to(q.device)
+    offsets, N, cu_seqlens = check_sequences(cu_seqlens, initial_state, dims, device=q.device,
+                                             batch_name="q", state_layout="N HV K V")
     return GatedDeltaInputs(
-        q=_time_major(q, head_first), k=_time_major(k, head_first),
-        v=_time_major(v, head_first), g=_time_major(g, head_first),
-        beta=_time_major(beta, head_first),
+        q=time_major(q, head_first), k=time_major(k, head_first),
+        v=time_major(v, head_first), g=time_major(g, head_first),
+        beta=time_major(beta, head_first),
         initial_state=None if initial_state is None else initial_state.contiguous(),
         scale=check_scale(scale, dims["K"] ** -0.5), cu_seqlens=cu_seqlens,
         seq_offsets=offsets, B=dims["B"], T=dims["T"], H=dims["H"], HV=dims["HV"],

@@ -11,14 +11,15 @@ import torch
 from fla.utils.validation import (
     FLOAT_DTYPES,
     Dims,
-    check_cu_seqlens,
     check_head_dim,
     check_positive_length,
     check_same_device,
     check_scale,
+    check_sequences,
     check_shape,
     check_tensor,
     check_time_major,
+    time_major,
     token_layout,
 )
 
@@ -48,11 +49,6 @@ class DPLRInputs:
         return self.q, self.k, self.v, self.a, self.b, self.gk
 
 
-def _time_major(x: torch.Tensor, head_first: bool) -> torch.Tensor:
-    if head_first:
-        x = x.transpose(1, 2)
-    # Kernels index with plain strides: a non-contiguous view is copied, never misread.
-    return x.contiguous()
 
 
 def prepare_dplr_inputs(q, k, v, a, b, gk, scale=None, initial_state=None, cu_seqlens=None,
@@ -78,17 +74,10 @@ def prepare_dplr_inputs(q, k, v, a, b, gk, scale=None, initial_state=None, cu_se
     check_head_dim(names[2], dims["V"], "V")
     check_time_major(names[0], q, head_first, head_dims=(dims["V"],))
     check_same_device(**tensors, initial_state=initial_state)
-    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
-    N = len(offsets) - 1 if offsets is not None else dims["B"]
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, dtypes=FLOAT_DTYPES)
-        dims["N"] = N
-        dims.source["N"] = "cu_seqlens (N sequences)" if offsets is not None else f"{names[0]} (N = B)"
-        check_shape("initial_state", initial_state, "N H K V", dims)
-    if cu_seqlens is not None and cu_seqlens.device != q.device:
-        cu_seqlens = cu_seqlens.to(q.device)
+    offsets, N, cu_seqlens = check_sequences(cu_seqlens, initial_state, dims, device=q.device,
+                                             batch_name=names[0])
     default = dims["K"] ** -0.5 if default_scale is None else default_scale
-    q, k, v, a, b, gk = (_time_major(x, head_first) for x in (q, k, v, a, b, gk))
+    q, k, v, a, b, gk = (time_major(x, head_first) for x in (q, k, v, a, b, gk))
     return DPLRInputs(
         q=q, k=k, v=v, a=a, b=b, gk=gk,
         initial_state=None if initial_state is None else initial_state.contiguous(),

@@ -12,14 +12,15 @@ import torch
 from fla.utils.validation import (
     FLOAT_DTYPES,
     Dims,
-    check_cu_seqlens,
     check_head_dim,
     check_positive_length,
     check_same_device,
     check_scale,
+    check_sequences,
     check_shape,
     check_tensor,
     check_time_major,
+    time_major,
     token_layout,
 )
 
@@ -46,13 +47,6 @@ class GLAInputs:
     N: int
 
 
-def _time_major(x: torch.Tensor | None, head_first: bool) -> torch.Tensor | None:
-    if x is None:
-        return None
-    if head_first:
-        x = x.transpose(1, 2)
-    # Kernels index with plain strides: a non-contiguous view is copied, never misread.
-    return x.contiguous()
 
 
 def prepare_gla_inputs(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
@@ -88,19 +82,12 @@ def prepare_gla_inputs(q, k, v, gk=None, gv=None, scale=None, initial_state=None
         check_shape("u", u, "H K", dims)
     check_same_device(**{qn: q, "k": k, "v": v, gn: gk, "gv": gv, "u": u,
                          "initial_state": initial_state})
-    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
-    N = len(offsets) - 1 if offsets is not None else dims["B"]
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, dtypes=FLOAT_DTYPES)
-        dims["N"] = N
-        dims.source["N"] = "cu_seqlens (N sequences)" if offsets is not None else f"{qn} (N = B)"
-        check_shape("initial_state", initial_state, "N H K V", dims)
-    if cu_seqlens is not None and cu_seqlens.device != q.device:
-        cu_seqlens = cu_seqlens.to(q.device)
+    offsets, N, cu_seqlens = check_sequences(cu_seqlens, initial_state, dims, device=q.device,
+                                             batch_name=qn)
     return GLAInputs(
-        q=_time_major(q, head_first), k=_time_major(k, head_first),
-        v=_time_major(v, head_first), gk=_time_major(gk, head_first),
-        gv=_time_major(gv, head_first), u=None if u is None else u.contiguous(),
+        q=time_major(q, head_first), k=time_major(k, head_first),
+        v=time_major(v, head_first), gk=time_major(gk, head_first),
+        gv=time_major(gv, head_first), u=None if u is None else u.contiguous(),
         initial_state=None if initial_state is None else initial_state.contiguous(),
         scale=check_scale(scale, dims["K"] ** -0.5), cu_seqlens=cu_seqlens,
         seq_offsets=offsets, B=dims["B"], T=dims["T"], H=dims["H"], K=dims["K"],
