@@ -17,28 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_dplr_fwd_h import chunk_gates, chunk_tokens
+from fla.ops.common.chunk_dplr_fwd_h import (
+    chunk_gates,
+    chunk_tokens,
+    state_pass_default,
+    state_pass_space,
+)
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 
 __all__ = ["chunk_dplr_bwd_dhu"]
 
 
-def _default(args) -> Config:
-    # BV = 32: twice the programs of 64 for this latency-bound loop; 8 warps keep the
-    # fp32 64×64 tiles (A_*, Ai) at 16 registers a thread.
-    return Config(BV=32, num_warps=8, num_stages=1)
-
-
-def _space(args) -> list[Config]:
-    BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
-    return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
-            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
-
-
-@tuned(key=["K", "V", "q", "dht", "dh0", "DT", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "V", "q", "dht", "dh0", "DT", "PRECISION"], default=state_pass_default,
+       space=state_pass_space)  # the tiles of the forward pass it mirrors
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_bwd_dhu_kernel(
     q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, dh, dz, dv, dh0, cu_seqlens, chunk_offsets,

@@ -46,20 +46,21 @@ def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
     return c, c - g, last
 
 
-def _default(args) -> Config:
+def state_pass_default(args) -> Config:
     # BV = 32 (the narrowest dot tile we use, fla.utils.triton_facts.MIN_DOT_TILE): twice
     # the programs of 64 for this latency-bound loop; 8 warps keep the fp32 64×64 tiles
     # (A_*, Ai) at 16 registers a thread.
     return Config(BV=32, num_warps=8, num_stages=1)
 
 
-def _space(args) -> list[Config]:
+def state_pass_space(args) -> list[Config]:
     BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
             if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
 
 
-@tuned(key=["K", "V", "q", "h0", "SAVE", "DT", "PRECISION"], default=_default, space=_space)
+@tuned(key=["K", "V", "q", "h0", "SAVE", "DT", "PRECISION"], default=state_pass_default,
+       space=state_pass_space)
 @triton.jit(do_not_specialize=["T"])
 def chunk_dplr_fwd_h_kernel(
     q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, h0, ht, cu_seqlens, chunk_offsets,
