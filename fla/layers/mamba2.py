@@ -19,7 +19,7 @@ from fla.layers.utils import (
 )
 from fla.modules import GroupNorm, ShortConvolution
 from fla.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update
-from fla.ops.simple_gla import fused_recurrent_simple_gla
+from fla.ops.mamba2.chunk import ssd_as_simple_gla
 
 __all__ = ["Mamba2"]
 
@@ -150,16 +150,8 @@ class Mamba2(nn.Module):
         return y[:, None], h0
 
     def _recurrent(self, x, dt, A, Bm, Cm, h0, use_cache, cu_seqlens):
-        """SSD token by token as recurrent simple GLA (differentiable): q = C, k = B,
-        v = dt·x, g = dt·A, scale 1; the state transposed to simple GLA's [N, P]."""
-        H = self.num_heads
-        rep = H // self.n_groups
-        q = Cm.repeat_interleave(rep, dim=2).to(x.dtype)
-        k = Bm.repeat_interleave(rep, dim=2).to(x.dtype)
-        v = (dt[..., None] * x.float()).to(x.dtype)
-        o, final = fused_recurrent_simple_gla(
-            q, k, v, g=dt * A, scale=1.0,
-            initial_state=None if h0 is None else h0.transpose(-1, -2).contiguous(),
-            output_final_state=use_cache, cu_seqlens=cu_seqlens)
-        y = (o.float() + x.float() * self.D.float()[:, None]).to(x.dtype)
-        return y, None if final is None else final.transpose(-1, -2).contiguous()
+        """SSD token by token (differentiable): the op's simple-GLA mapping, recurrent."""
+        y, final = ssd_as_simple_gla(x, dt, A, Bm, Cm, D=self.D, initial_states=h0,
+                                     cu_seqlens=cu_seqlens, output_final_state=use_cache,
+                                     recurrent=True)
+        return y.to(x.dtype), final

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fla.ops.simple_gla.chunk import chunk_simple_gla
+from fla.ops.simple_gla.fused_recurrent import fused_recurrent_simple_gla
 from fla.utils.validation import (
     INDEX_DTYPES,
     Dims,
@@ -200,7 +201,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """
     cu_seqlens = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
                            seq_idx, cu_seqlens, dt_softplus, dt_limit, return_final_states)
-    H = x.shape[2]
     if cu_seqlens is not None and cu_seqlens.device != x.device:
         cu_seqlens = cu_seqlens.to(x.device)
 
@@ -212,26 +212,47 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=float(dt_limit[0]), max=float(dt_limit[1]))
-    g = dt * A.float()
 
+    y, final = ssd_as_simple_gla(x, dt, A, B, C, D, initial_states, cu_seqlens,
+                                 return_final_states)
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(x.dtype)
+    if not return_final_states:
+        return y
+    return y, final
+
+
+def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=None,
+                      output_final_state=False, recurrent=False):
+    """The SSD recurrence as simple GLA (q = C, k = B, v = dt·x, g = dt·A, scale = 1)
+    plus the D skip, on time steps already processed (bias, softplus, clamp, padding).
+
+    Shared by :func:`mamba_chunk_scan_combined` (chunked) and the Mamba2 layer's
+    multi-token recurrent mode (``recurrent=True``: ``fused_recurrent_simple_gla``).
+
+    Args:
+        x: ``[b, T, H, P]``; dt: ``[b, T, H]`` float32; A: ``[H]``;
+        B, C: ``[b, T, G, N]``; D: ``[H]`` or ``[H, P]`` or None;
+        initial_states: ``[Ns, H, P, N]`` (Mamba's layout) or None.
+    Returns:
+        ``(y [b, T, H, P] float32, final_states [Ns, H, P, N] float32 or None)``.
+    """
+    H = x.shape[2]
+    g = dt * A.float()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
     q = _heads_of_groups(C.to(x.dtype), H)
     k = _heads_of_groups(B.to(x.dtype), H)
     v = (dt[..., None] * x.float()).to(x.dtype)
     # Mamba keeps h as [P, N]; simple GLA keeps S = hᵀ as [K, V] = [N, P].
     h0 = None if initial_states is None else initial_states.float().transpose(-1, -2)
-
-    o, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=h0,
-                                output_final_state=return_final_states,
-                                cu_seqlens=cu_seqlens)
-
-    # Skip and gate in float32, rounded once at the end.
+    op = fused_recurrent_simple_gla if recurrent else chunk_simple_gla
+    o, final = op(q, k, v, g=g, scale=1.0, initial_state=h0,
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    # Skip in float32, rounded by the caller.
     y = o.float()
     if D is not None:
         y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
-    if z is not None:
-        y = y * F.silu(z.float())
-    y = y.to(x.dtype)
-    if not return_final_states:
-        return y
-    return y, final.float().transpose(-1, -2).contiguous()
+    if final is not None:
+        final = final.float().transpose(-1, -2).contiguous()
+    return y, final
