@@ -27,6 +27,7 @@ from fla.layers.utils import (
     begin_forward,
     cache_entry,
     cached_state,
+    channel_ramp,
     check_heads,
     check_mode,
     mask_tokens,
@@ -38,11 +39,6 @@ from fla.modules import GroupNorm
 from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
 
 __all__ = ["RWKV6Attention", "RWKV6FeedForward"]
-
-
-def _ramp(n: int) -> torch.Tensor:
-    """``[n]`` values from 0 to 1 (channel position, for the per-channel inits)."""
-    return torch.arange(n, dtype=torch.float32) / max(n - 1, 1)
 
 
 class RWKV6Attention(nn.Module):
@@ -88,17 +84,17 @@ class RWKV6Attention(nn.Module):
         D, R = hidden_size, proj_low_rank_dim
 
         # ddlerp: μ_x, then the shared A, one B_□ and λ_□ per target (r, w, k, v, g).
-        ramp = _ramp(D)
+        ramp = channel_ramp(D)
         self.x_maa = nn.Parameter(1 - ramp ** 0.5)
         self.maa = nn.Parameter(torch.stack([1 - ramp ** p for p in (0.5, 0.7, 0.7, 0.5, 0.5)]))
         self.maa_a = nn.Linear(D, 5 * R, bias=False)
         self.maa_b = nn.Parameter(torch.empty(5, R, D).uniform_(-0.01, 0.01))
         # Decay: d ramps from −6 to −1 over the key channels (slow to fast), plus a LoRA.
-        self.decay = nn.Parameter(-6 + 5 * _ramp(self.key_dim) ** 0.85)
+        self.decay = nn.Parameter(-6 + 5 * channel_ramp(self.key_dim) ** 0.85)
         self.decay_a = nn.Linear(D, gate_low_rank_dim, bias=False)
         self.decay_b = nn.Linear(gate_low_rank_dim, self.key_dim, bias=False)
         # Bonus of the current token, u [H, K].
-        k_ramp = _ramp(self.head_k_dim)
+        k_ramp = channel_ramp(self.head_k_dim)
         u = 0.5 * (1 - k_ramp) + ((torch.arange(self.head_k_dim) + 1) % 3 - 1) * 0.1
         self.bonus = nn.Parameter(u.repeat(num_heads, 1))
 
@@ -172,7 +168,7 @@ class RWKV6FeedForward(nn.Module):
             raise ValueError(f"intermediate_size: expected >= 1, got {intermediate_size}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.layer_idx = layer_idx
-        ramp = _ramp(hidden_size)
+        ramp = channel_ramp(hidden_size)
         self.x_maa_k = nn.Parameter(1 - ramp ** 0.5)
         self.x_maa_r = nn.Parameter(1 - ramp ** 0.5)
         self.x_maa_k._no_weight_decay = self.x_maa_r._no_weight_decay = True

@@ -34,6 +34,7 @@ from fla.layers.utils import (
     begin_forward,
     cache_entry,
     cached_state,
+    channel_ramp,
     check_heads,
     check_mode,
     mask_tokens,
@@ -47,10 +48,6 @@ from fla.ops.rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7
 __all__ = ["RWKV7Attention", "RWKV7FeedForward"]
 
 _DECAY_SCALE = math.exp(-0.5)  # w ∈ (−e^{−0.5}, 0): the largest decay per step is e^{−e^{−0.5}}
-
-
-def _ramp(n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.float32) / max(n - 1, 1)
 
 
 class _LoRA(nn.Module):
@@ -112,12 +109,12 @@ class RWKV7Attention(nn.Module):
         self.layer_idx = layer_idx
         D, K = hidden_size, self.key_dim
 
-        ramp = _ramp(D)
+        ramp = channel_ramp(D)
         # Lerp weights of r, w, k, v, a, g.
         self.x_maa = nn.Parameter(torch.stack([1 - ramp ** p for p in
                                                (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)]))
         # Decay bias: σ(w₀) from slow (≈ σ(−5)) to fast (≈ σ(2)) over the key channels.
-        self.w0 = nn.Parameter(-5 + 7 * _ramp(K) ** 0.85)
+        self.w0 = nn.Parameter(-5 + 7 * channel_ramp(K) ** 0.85)
         self.w_lora = _LoRA(D, decay_low_rank_dim, K, torch.tanh)
         self.a0 = nn.Parameter(torch.zeros(K))
         self.a_lora = _LoRA(D, a_low_rank_dim, K)
@@ -205,7 +202,7 @@ class RWKV7FeedForward(nn.Module):
             raise ValueError(f"intermediate_size: expected >= 1, got {intermediate_size}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.layer_idx = layer_idx
-        self.x_maa_k = nn.Parameter(1 - _ramp(hidden_size) ** 0.5)
+        self.x_maa_k = nn.Parameter(1 - channel_ramp(hidden_size) ** 0.5)
         self.x_maa_k._no_weight_decay = True
         self.key = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.value = nn.Linear(intermediate_size, hidden_size, bias=False)

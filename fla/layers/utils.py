@@ -239,3 +239,9 @@ def token_shift(x: torch.Tensor, state: torch.Tensor | None, mask: torch.Tensor 
     x_prev = torch.cat([x.new_zeros(1, 1, D), x[:, :-1]], 1)
     x_prev = x_prev.index_copy(1, starts, first.unsqueeze(0))
     return x_prev, x[0].index_select(0, ends - 1)
+
+
+def channel_ramp(n: int) -> torch.Tensor:
+    """``[n]`` float32 values from 0 to 1 by channel position (the RWKV layers' per-channel
+    initialisations)."""
+    return torch.arange(n, dtype=torch.float32) / max(n - 1, 1)

@@ -73,6 +73,13 @@ class ChunkGLAFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+def with_bonus(x: GLAInputs, o_state: torch.Tensor) -> torch.Tensor:
+    """RWKV6's current-token term: o_state + scale (Σ_i r_i u_i k_i) v, in float32 (the
+    paths that do not fold it into their kernels: the PyTorch and recurrent ones)."""
+    rk = (x.q.float() * x.u.float() * x.k.float()).sum(-1, keepdim=True)   # [B, T, H, 1]
+    return o_state.float() + x.scale * rk * x.v.float()
+
+
 def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool = False,
                         out_dtype=None):
     """Run validated inputs (``x.gk`` the per-token log gate) through the chunked algorithm;
@@ -84,8 +91,7 @@ def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool 
         o, final_state = chunk_gla_torch(x.q, x.k, x.v, x.gk, x.scale, x.initial_state,
                                          x.seq_offsets, exclusive, CHUNK_SIZE)
         if exclusive and x.u is not None:
-            rk = (x.q.float() * x.u.float() * x.k.float()).sum(-1, keepdim=True)
-            o = o.float() + x.scale * rk * x.v.float()
+            o = with_bonus(x, o)
         return o.to(out_dtype), (final_state if output_final_state else None)
     if x.cu_seqlens is None:
         chunk_indices = chunk_offsets = None

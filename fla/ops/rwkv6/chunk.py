@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from fla.ops.gla.chunk import chunk_gla_on_inputs
+from fla.ops.gla.chunk import chunk_gla_on_inputs, with_bonus
 from fla.ops.gla.fused_recurrent import fused_recurrent_gla_on_inputs
-from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
+from fla.ops.gla.inputs import prepare_gla_inputs
 
 __all__ = ["chunk_rwkv6", "fused_recurrent_rwkv6"]
-
-
-def _with_bonus(x: GLAInputs, o_state: torch.Tensor) -> torch.Tensor:
-    """o_state (float32) + scale (Σ_i r_i u_i k_i) v, in v's dtype."""
-    rk = (x.q.float() * x.u.float() * x.k.float()).sum(-1, keepdim=True)   # [B, T, H, 1]
-    return (o_state + x.scale * rk * x.v.float()).to(x.v.dtype)
 
 
 def _prepare(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first):
@@ -88,7 +82,7 @@ def fused_recurrent_rwkv6(
     x = _prepare(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first)
     o, final_state = fused_recurrent_gla_on_inputs(x, output_final_state, reverse,
                                                    exclusive=True, out_dtype=torch.float32)
-    o = _with_bonus(x, o)
+    o = with_bonus(x, o).to(x.v.dtype)
     if head_first:
         o = o.transpose(1, 2)
     return o, final_state
