@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Issue 9's multi-GPU check, for the 2-GPU machine (nvidia-h200-x2 through the device tool):
+#
+#     bash scripts/multi_gpu_check.sh            # ~340M GatedDeltaNet, bf16, 2 GPUs
+#     SIZE=tiny DEVICE=cpu NPROC=2 STEPS=6 bash scripts/multi_gpu_check.sh   # CPU smoke (gloo)
+#
+# Trains the same model twice with the same global batch and seed: once in one process on
+# one GPU, once with `torchrun --nproc_per_node=$NPROC` (FSDP2). It then compares the two
+# loss curves step by step and the steady-state tokens/s (median of the logged rates after
+# the first WARM steps, which compile kernels), and prints a table. Both runs' metrics and
+# logs land in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SIZE="${SIZE:-340m}"
+DEVICE="${DEVICE:-cuda}"
+NPROC="${NPROC:-2}"
+STEPS="${STEPS:-60}"
+WARM="${WARM:-10}"
+SEQ="${SEQ_LEN:-2048}"
+BATCH="${BATCH:-16}"
+ARGS=(train --model "${MODEL:-gated_deltanet}" --size "$SIZE" --seq-len "$SEQ"
+      --batch-size "$BATCH" --max-steps "$STEPS" --warmup 10 --lr 1e-3 --log-every 1
+      --eval-every 1000000 --eval-batches 2 --sample-tokens 0 --no-plot --device "$DEVICE"
+      --seed 0)
+
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__,
+'| gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+
+echo "== one process"
+CUDA_VISIBLE_DEVICES="${ONE_GPU:-0}" python3 -m fla "${ARGS[@]}" --out /tmp/mg-one \
+    2>&1 | tee "$OUT/train_one.log" | grep -v "it/s\]$" | tail -n 15
+ONE_RC=${PIPESTATUS[0]}
+
+echo "== torchrun --nproc_per_node=$NPROC"
+torchrun --standalone --nproc_per_node="$NPROC" -m fla "${ARGS[@]}" --out /tmp/mg-multi \
+    2>&1 | tee "$OUT/train_multi.log" | grep -v "it/s\]$" | tail -n 15
+MULTI_RC=${PIPESTATUS[0]}
+cp /tmp/mg-one/metrics.jsonl "$OUT/metrics_one.jsonl" 2>/dev/null
+cp /tmp/mg-multi/metrics.jsonl "$OUT/metrics_multi.jsonl" 2>/dev/null
+
+echo "== compare (rc one=$ONE_RC, multi=$MULTI_RC)"
+python3 - "$OUT/metrics_one.jsonl" "$OUT/metrics_multi.jsonl" "$WARM" "$NPROC" \
+    /tmp/mg-multi <<'EOF'
+import json, pathlib, statistics, sys
+
+one_path, multi_path, warm, nproc, multi_dir = sys.argv[1:6]
+warm, nproc = int(warm), int(nproc)
+
+def train_rows(path):
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        if "tok_per_s" in r:
+            out[r["step"]] = r
+    return out
+
+one, multi = train_rows(one_path), train_rows(multi_path)
+steps = sorted(set(one) & set(multi))
+key = "loss"
+diffs = [abs(one[s][key] - multi[s][key]) for s in steps]
+rel = [d / abs(one[s][key]) for d, s in zip(diffs, steps)]
+rate = lambda rs: statistics.median(r["tok_per_s"] for s, r in rs.items() if s > warm)
+r1, rn = rate(one), rate(multi)
+print(f"steps compared: {len(steps)}; loss at step 1: {one[steps[0]][key]:.4f} / "
+      f"{multi[steps[0]][key]:.4f}; last step {steps[-1]}: {one[steps[-1]][key]:.4f} / "
+      f"{multi[steps[-1]][key]:.4f}")
+print(f"max |loss_1 - loss_{nproc}| = {max(diffs):.4g} (relative {max(rel):.3g}); "
+      f"mean relative {statistics.mean(rel):.3g}")
+ckpt = pathlib.Path(multi_dir) / "checkpoint"
+print(f"multi-process checkpoint: {'present' if ckpt.exists() else 'MISSING'} "
+      f"({', '.join(sorted(p.name for p in ckpt.iterdir())) if ckpt.exists() else ''})")
+print()
+print("| run | tokens/s (median after step %d) | scaling |" % warm)
+print("| --- | --- | --- |")
+print(f"| 1 process | {r1:,.0f} | 1.00x |")
+print(f"| {nproc} processes (FSDP2) | {rn:,.0f} | {rn / r1:.2f}x |")
+EOF
