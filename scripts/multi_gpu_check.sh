@@ -6,9 +6,14 @@
 #
 # Trains the same model twice with the same global batch and seed: once in one process on
 # one GPU, once with `torchrun --nproc_per_node=$NPROC` (FSDP2). It then compares the two
-# loss curves step by step and the steady-state tokens/s (median of the logged rates after
-# the first WARM steps, which compile kernels), and prints a table. Both runs' metrics and
-# logs land in $OUT.
+# loss curves at each logged step and the steady-state tokens/s (median of the logged rates
+# after the first WARM steps, which compile kernels), and prints a table. Both runs'
+# metrics and logs land in $OUT.
+#
+# The one-process run accumulates gradients over ONE_ACCUM micro-batches (default NPROC):
+# the same global batch, and the same work per GPU per micro-step as each of the N
+# processes. Without it, the N-process run's GPUs get 1/N of the work per step and the
+# check measures the host's launch rate rather than the scaling.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -20,17 +25,18 @@ NPROC="${NPROC:-2}"
 STEPS="${STEPS:-60}"
 WARM="${WARM:-10}"
 SEQ="${SEQ_LEN:-2048}"
-BATCH="${BATCH:-16}"
+BATCH="${BATCH:-32}"
+ONE_ACCUM="${ONE_ACCUM:-$NPROC}"
 ARGS=(train --model "${MODEL:-gated_deltanet}" --size "$SIZE" --seq-len "$SEQ"
-      --batch-size "$BATCH" --max-steps "$STEPS" --warmup 10 --lr 1e-3 --log-every 1
+      --batch-size "$BATCH" --max-steps "$STEPS" --warmup 10 --lr 1e-3 --log-every "${LOG_EVERY:-5}"
       --eval-every 1000000 --eval-batches 2 --sample-tokens 0 --no-plot --device "$DEVICE"
       --seed 0)
 
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__,
 '| gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
 
-echo "== one process"
-CUDA_VISIBLE_DEVICES="${ONE_GPU:-0}" python3 -m fla "${ARGS[@]}" --out /tmp/mg-one \
+echo "== one process (gradient accumulation over $ONE_ACCUM micro-batches)"
+CUDA_VISIBLE_DEVICES="${ONE_GPU:-0}" python3 -m fla "${ARGS[@]}" --grad-accum "$ONE_ACCUM" --out /tmp/mg-one \
     2>&1 | tee "$OUT/train_one.log" | grep -v "it/s\]$" | tail -n 15
 ONE_RC=${PIPESTATUS[0]}
 
