@@ -70,7 +70,7 @@ diffs = [abs(one[s][key] - multi[s][key]) for s in steps]
 rel = [d / abs(one[s][key]) for d, s in zip(diffs, steps)]
 rate = lambda rs: statistics.median(r["tok_per_s"] for s, r in rs.items() if s > warm)
 r1, rn = rate(one), rate(multi)
-print(f"steps compared: {len(steps)}; loss at step 1: {one[steps[0]][key]:.4f} / "
+print(f"logged steps compared: {len(steps)}; step {steps[0]}: {one[steps[0]][key]:.4f} / "
       f"{multi[steps[0]][key]:.4f}; last step {steps[-1]}: {one[steps[-1]][key]:.4f} / "
       f"{multi[steps[-1]][key]:.4f}")
 print(f"max |loss_1 - loss_{nproc}| = {max(diffs):.4g} (relative {max(rel):.3g}); "
