@@ -360,7 +360,7 @@ def _train(args, d, device_kind, bf16, out, resume_dir, model_type, config_cls) 
 
     # ---- parallelism, precision, optimiser
     if d.launched:
-        distributed.shard(model, d, bf16)
+        distributed.shard(model, d)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
@@ -371,7 +371,7 @@ def _train(args, d, device_kind, bf16, out, resume_dir, model_type, config_cls) 
     if state is not None:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"], d)
         step, tokens, history = state["step"], state["tokens"], state["history"]
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if bf16 and not d.launched
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if bf16
                 else torch.autocast(device_kind, enabled=False))
     tokens_per_step = args.batch_size * args.seq_len
     log_every = args.log_every or (1 if device_kind == "cpu" else 10)
