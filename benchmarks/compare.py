@@ -18,7 +18,6 @@ import datetime as _dt
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 START = "<!-- generated:start -->"
 END = "<!-- generated:end -->"

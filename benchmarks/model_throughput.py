@@ -13,6 +13,11 @@ library in its own process, as ``benchmarks/run_side.py`` does), on the same con
   prompt at batch 1 and batch 64; tokens/s = batch x 512 / wall time.
 
 ``--tiny`` shrinks everything for a CPU smoke test of the script itself.
+
+The reference library refuses its gated backward on Hopper with Triton 3.4-3.7.0; when
+the imported ``fla`` is not this checkout's, its check is switched off (as
+``benchmarks/run_side.py`` does) so that its training step can be timed, and the row
+says so. ``scripts/gpu_models.sh`` runs both sides on the GPU machine.
 """
 from __future__ import annotations
 
@@ -95,24 +100,39 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test of the script")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    import pathlib
+
     import fla
 
     label = getattr(fla, "__version__", "?")
+    notes = []
+    checkout = pathlib.Path(__file__).resolve().parent.parent
+    if pathlib.Path(fla.__file__).resolve().parent.parent != checkout:
+        from benchmarks.run_side import patch_reference_check
+        patch_reference_check(notes)
     net = build(args.model, args.tiny, device)
     params = sum(t.numel() for t in net.parameters())
     rows = []
+
+    def measure(row: dict, fn, *fn_args) -> None:
+        """One row; an error becomes the row's result instead of ending the run."""
+        try:
+            row.update(fn(*fn_args))
+        except Exception as exc:  # noqa: BLE001 - reported, and the next row still runs
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+
     if "train" in args.what:
         batch, length = (2, 64) if args.tiny else (4, 4096)
-        rows.append({"what": "train", "batch": batch, "length": length,
-                     **train_tokens_per_s(net, device, batch, length,
-                                          2 if args.tiny else args.steps)})
+        measure({"what": "train", "batch": batch, "length": length}, train_tokens_per_s,
+                net, device, batch, length, 2 if args.tiny else args.steps)
     if "decode" in args.what:
         net.eval()
         for batch in ((1, 2) if args.tiny else (1, 64)):
-            rows.append({"what": "decode", "batch": batch,
-                         **decode_tokens_per_s(net, device, batch, 8 if args.tiny else 512)})
+            measure({"what": "decode", "batch": batch}, decode_tokens_per_s,
+                    net, device, batch, 8 if args.tiny else 512)
     for row in rows:
-        row.update(model=args.model, params=params, fla=label, device=device,
+        row.update(model=args.model, params=params, fla=label, notes=notes, device=device,
                    gpu=torch.cuda.get_device_name(0) if device == "cuda" else None,
                    torch=torch.__version__)
         print(json.dumps(row))

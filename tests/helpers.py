@@ -85,6 +85,15 @@ def randn(shape, gen: torch.Generator, dtype=torch.float32, device="cpu", scale:
     return x.requires_grad_(requires_grad)
 
 
+def output_grad(shape, gen: torch.Generator, dtype) -> torch.Tensor:
+    """A float64 upstream gradient for an op whose output has ``dtype``, rounded to that
+    dtype first: autograd hands the op exactly this rounded tensor, so the float64
+    reference must get it too. (With the unrounded one, fp16's 2.4e-4 rounding of the
+    incoming gradient alone showed up as a 1e-2 error in a scalar gate's gradient, a sum
+    over tokens that cancels ~100-fold.)"""
+    return randn(shape, gen, dtype).double()
+
+
 def log_gate(shape, gen: torch.Generator, low: float = -1.0, high: float = -1e-3,
              dtype=torch.float32, device="cpu", requires_grad: bool = False) -> torch.Tensor:
     """Log decays uniform in [low, high] (both < 0): never exactly zero."""

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fla.ops.generalized_delta_rule.naive import naive_recurrent_dplr_delta_rule
-from tests.helpers import TOLERANCE, assert_rel_close, randn
+from tests.helpers import TOLERANCE, assert_rel_close, output_grad, randn
 
 INTERPRETER_DTYPES = [torch.float32, torch.float16]
 NAMES = ("q", "k", "v", "a", "b", "gk", "initial_state")
@@ -56,7 +56,7 @@ def compare(inputs, dtype, device, *, fn, gen, tol=None, ref_device="cpu", **kwa
     K = inputs["q"].shape[-1]
     cu = kwargs.get("cu_seqlens")
     N = B if cu is None else cu.numel() - 1
-    do = randn((B, T, H, V), gen, torch.float64)
+    do = output_grad((B, T, H, V), gen, dtype)
     dht = randn((N, H, K, V), gen, torch.float64)
     o_ref, ht_ref, g_ref = reference(inputs, dtype, do, dht, ref_device, **kwargs)
     o, ht, grads = run(fn, leaves(inputs, dtype, device), do, dht, **kwargs)

@@ -9,6 +9,7 @@ from tests.helpers import (
     TOLERANCE,
     assert_rel_close,
     log_gate,
+    output_grad,
     randn,
     reference_device,
     unit_interval,
@@ -64,7 +65,7 @@ def compare(inputs, dtype, device, *, fn,
     N = inputs["initial_state"].shape[0] if inputs.get("initial_state") is not None else (
         B if kwargs.get("cu_seqlens") is None else kwargs["cu_seqlens"].numel() - 1)
     K = inputs["q"].shape[-1]
-    do = randn((B, T, HV, V), gen, torch.float64)
+    do = output_grad((B, T, HV, V), gen, dtype)
     dht = randn((N, HV, K, V), gen, torch.float64) if use_dht else None
 
     l2 = kwargs.pop("use_qk_l2norm_in_kernel", False)

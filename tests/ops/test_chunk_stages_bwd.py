@@ -151,7 +151,6 @@ def state_pass(q, k, w, u, gam, h0, scale, seqs, NT, perturb=None):
 def recurrence(q, k, v, g, beta, h0, scale, seqs):
     """The per-token float64 loop of ALGORITHMS.md §1; returns (o, final states)."""
     B, T, H, K = k.shape
-    V = v.shape[-1]
     rows = [[] for _ in range(B)]
     finals = []
     for n, b, chunks in seqs:
@@ -429,7 +428,7 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device)
     gam = local_cumsum(g.to(F64), seqs)
     gam32 = gam.float()
     gam = gam32.to(F64)                    # the kernels see fp32 γ: so does the forward
-    Ws, Us, Tinvs = [], [], []
+    Tinvs = []
     w_rows, u_rows = [[] for _ in range(B)], [[] for _ in range(B)]
     for _, b, chunks in seqs:
         for s, e, _ in chunks:

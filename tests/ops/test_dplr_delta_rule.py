@@ -2,7 +2,6 @@
 (outputs, final states, dq, dk, dv, da, db, dgk, dh0) through the Triton kernels
 (interpreted on CPU: fp32, fp16; bf16 at real shapes on the GPU) and the PyTorch paths;
 chunk == recurrent; the delta-rule special case; bad inputs."""
-import math
 
 import pytest
 import torch

@@ -15,6 +15,7 @@ from tests.helpers import (
     cu_seqlens_of,
     generator,
     odd_length,
+    output_grad,
     randn,
     uneven_lengths,
 )
@@ -69,7 +70,7 @@ def compare(inputs, dtype, device, *, fn, gen, ref_fn=naive, tol=None, **kwargs)
     K = inputs["q"].shape[-1]
     cu = kwargs.get("cu_seqlens")
     N = B if cu is None else cu.numel() - 1
-    do = randn((B, T, H, V), gen, torch.float64)
+    do = output_grad((B, T, H, V), gen, dtype)
     dht = randn((N, H, K, V), gen, torch.float64)
     ref_kwargs = dict(kwargs)
     if cu is not None:

@@ -23,6 +23,7 @@ from tests.helpers import (
     generator,
     log_gate,
     odd_length,
+    output_grad,
     randn,
     reference_device,
     uneven_lengths,
@@ -53,7 +54,7 @@ def compare(inputs, dtype, device, *, fn, ref_fn=naive_recurrent_simple_gla, gen
     K = inputs["q"].shape[-1]
     cu = kwargs.get("cu_seqlens")
     N = B if cu is None else cu.numel() - 1
-    do = randn((B, T, HV, V), gen, torch.float64)
+    do = output_grad((B, T, HV, V), gen, dtype)
     dht = randn((N, HV, K, V), gen, torch.float64)
     ref_kwargs = dict(kwargs)
     if cu is not None:
@@ -238,7 +239,7 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
 
     gen = generator(seed)
     inputs = make_inputs(gen, B=2, T=300, H=2, HV=2, K=D, V=D, gamma=True)
-    do = randn(inputs["v"].shape, gen, torch.float64)
+    do = output_grad(inputs["v"].shape, gen, torch.bfloat16)
     dht = randn(inputs["initial_state"].shape, gen, torch.float64)
     leaves = cast(inputs, torch.bfloat16, "cpu")
     ref_leaves = {n: None if x is None else x.detach().double().cuda().requires_grad_()

@@ -6,8 +6,6 @@ folded into one per-token log decay.
 """
 from __future__ import annotations
 
-import torch
-
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
 from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
 
