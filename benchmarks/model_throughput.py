@@ -9,8 +9,10 @@ library in its own process, as ``benchmarks/run_side.py`` does), on the same con
 * ``train``: a ~340M-parameter model (hidden 1024, 20 layers, 4 heads of 256, vocab
   32000) at batch 4 x 4096 tokens: forward, backward and an AdamW step under bf16
   autocast (fp32 master weights); tokens/s from the median of the timed steps.
-* ``decode``: ``generate()`` of 512 new tokens (greedy, cache on) after a 16-token
-  prompt at batch 1 and batch 64; tokens/s = batch x 512 / wall time.
+* ``decode``: 512 new tokens (greedy, cache on) after a 16-token prompt at batch 1 and
+  batch 64, bf16 weights; tokens/s = batch x 512 / wall time. ``decode_generate`` is
+  transformers' ``generate()``; ``decode_graph`` (ours only) is :func:`fla.models.decode`,
+  whose steps replay a CUDA graph.
 
 ``--tiny`` shrinks everything for a CPU smoke test of the script itself.
 
@@ -72,17 +74,27 @@ def train_tokens_per_s(net, device: str, batch: int, length: int, steps: int) ->
             "peak_mib": peak}
 
 
-def decode_tokens_per_s(net, device: str, batch: int, new_tokens: int) -> dict:
+def decode_tokens_per_s(net, device: str, batch: int, new_tokens: int,
+                        graph: bool = False) -> dict:
+    """``generate()`` (or, with ``graph``, this library's :func:`fla.models.decode`, whose
+    steps replay a CUDA graph) of ``new_tokens`` greedy tokens after a 16-token prompt."""
     vocab = net.config.vocab_size
     prompt = torch.randint(0, vocab, (batch, 16), device=device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  use_cache=True, pad_token_id=0)
-    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16,
-                                         enabled=device == "cuda"):
-        net.generate(prompt, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+    if graph:
+        from fla.models import decode
+
+        def run(n):
+            return decode(net, prompt, n)
+    else:
+        def run(n):
+            return net.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                use_cache=True, pad_token_id=0,
+                                attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        run(8)
         sync(device)
         t0 = time.perf_counter()
-        out = net.generate(prompt, **kwargs)
+        out = run(new_tokens)
         sync(device)
         wall = time.perf_counter() - t0
     generated = out.shape[1] - prompt.shape[1]
@@ -107,38 +119,41 @@ def main(argv=None) -> int:
     label = getattr(fla, "__version__", "?")
     notes = []
     checkout = pathlib.Path(__file__).resolve().parent.parent
-    if pathlib.Path(fla.__file__).resolve().parent.parent != checkout:
+    ours = pathlib.Path(fla.__file__).resolve().parent.parent == checkout
+    if not ours:
         from benchmarks.run_side import patch_reference_check
         patch_reference_check(notes)
     net = build(args.model, args.tiny, device)
     params = sum(t.numel() for t in net.parameters())
-    rows = []
 
     def measure(row: dict, fn, *fn_args) -> None:
-        """One row; an error becomes the row's result instead of ending the run."""
+        """One row, printed (and appended to --out) at once; an error becomes the row's
+        result instead of ending the run."""
         try:
             row.update(fn(*fn_args))
         except Exception as exc:  # noqa: BLE001 - reported, and the next row still runs
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        rows.append(row)
+        row.update(model=args.model, params=params, fla=label, notes=notes, device=device,
+                   gpu=torch.cuda.get_device_name(0) if device == "cuda" else None,
+                   torch=torch.__version__)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
 
     if "train" in args.what:
         batch, length = (2, 64) if args.tiny else (4, 4096)
         measure({"what": "train", "batch": batch, "length": length}, train_tokens_per_s,
                 net, device, batch, length, 2 if args.tiny else args.steps)
     if "decode" in args.what:
-        net.eval()
+        # Decoding with bf16 weights (no autocast: the usual way to serve a model, and the
+        # captured step would otherwise re-cast every weight at each token).
+        net = net.to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
         for batch in ((1, 2) if args.tiny else (1, 64)):
-            measure({"what": "decode", "batch": batch}, decode_tokens_per_s,
-                    net, device, batch, 8 if args.tiny else 512)
-    for row in rows:
-        row.update(model=args.model, params=params, fla=label, notes=notes, device=device,
-                   gpu=torch.cuda.get_device_name(0) if device == "cuda" else None,
-                   torch=torch.__version__)
-        print(json.dumps(row))
-        if args.out:
-            with open(args.out, "a") as handle:
-                handle.write(json.dumps(row) + "\n")
+            for graph in ((False, True) if ours else (False,)):
+                measure({"what": "decode_graph" if graph else "decode_generate",
+                         "batch": batch}, decode_tokens_per_s, net, device, batch,
+                        8 if args.tiny else 512, graph)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Hugging Face models: ``{DeltaNet, GatedDeltaNet, GLA, RetNet, RWKV6, RWKV7, Mamba2,
 Transformer}{Config, Model, ForCausalLM}``, registered with transformers' AutoConfig /
 AutoModel / AutoModelForCausalLM on import (``import fla`` imports this package), and the
-generation :class:`Cache`.
+generation :class:`Cache`, and :func:`decode` (decoding with the step replayed from a
+CUDA graph).
 
 Importing this package is light: the configs are registered with ``AutoConfig`` here,
 while the model classes, which import transformers' modeling stack (and Triton), are
@@ -14,6 +15,7 @@ from transformers import AutoConfig
 from fla.models.config import FLAConfig, model_classes
 from fla.models.delta_net import DeltaNetConfig
 from fla.models.gated_deltanet import GatedDeltaNetConfig
+from fla.models.generation import decode, graph_capturable
 from fla.models.gla import GLAConfig
 from fla.models.mamba2 import Mamba2Config
 from fla.models.retnet import RetNetConfig
@@ -42,6 +44,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Cache", "CONFIGS", "FLAConfig", "MODELS"] + [
+__all__ = ["Cache", "CONFIGS", "FLAConfig", "MODELS", "decode", "graph_capturable"] + [
     name for config in CONFIGS for name in
     (config.__name__, *(n for n in _BY_NAME if _BY_NAME[n][0] is config))]
