@@ -11,7 +11,8 @@ launch on the host.
 What makes a recurrent model capturable: its per-step state has a fixed shape (the
 recurrent states, the short convolutions' windows, the token-shift inputs), so the graph
 can read it from, and write it back to, the same memory at every replay. Softmax attention
-layers grow their key/value cache each step and are decoded eagerly instead.
+layers grow their key/value cache each step, and RetNet rotates q and k by a position
+counted on the host: models with either are decoded eagerly (:func:`graph_capturable`).
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ __all__ = ["decode", "graph_capturable"]
 
 
 def graph_capturable(model) -> bool:
-    """True when every block of ``model`` keeps a fixed-size decoding state (no softmax
-    attention layer, whose key/value cache grows with each token)."""
-    from fla.layers import Attention
+    """True when a decoding step of ``model`` can be replayed as recorded: every layer
+    keeps a fixed-size state and nothing in the step depends on a host-side count. Softmax
+    attention (its key/value cache grows each token) and RetNet's retention (its rotary
+    position is the host's token count, which a replay would freeze) are decoded eagerly."""
+    from fla.layers import Attention, MultiScaleRetention
 
-    return not any(isinstance(module, Attention) for module in model.modules())
+    return not any(isinstance(module, (Attention, MultiScaleRetention))
+                   for module in model.modules())
 
 
 @dataclass
@@ -170,8 +174,9 @@ def decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *,
     if cuda_graph and not on_cuda:
         raise ValueError("cuda_graph=True needs CUDA inputs (and the model on that device)")
     if cuda_graph and not capturable:
-        raise ValueError("cuda_graph=True: the model has softmax attention layers, whose "
-                         "key/value cache grows every step; decode them with "
+        raise ValueError("cuda_graph=True: the model has softmax attention layers (their "
+                         "key/value cache grows every step) or retention layers (their "
+                         "rotary position is counted on the host); decode it with "
                          "cuda_graph=False")
     use_graph = (on_cuda and capturable) if cuda_graph is None else cuda_graph
 
