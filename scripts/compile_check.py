@@ -95,6 +95,8 @@ class OfflineCompiler:
         self.only = ""
         self.failures = 0
         self.total_s = 0.0
+        self.jobs: list = []  # with --jobs > 1: compiles queued, run together at the end
+        self.parallel = False
 
     def launch(self, tuned: TunedKernel, grid, args, kwargs):
         if self.only not in tuned.name:
@@ -113,6 +115,12 @@ class OfflineCompiler:
         if key in self.seen:
             return
         self.seen.add(key)
+        if self.parallel:
+            self.jobs.append(lambda: self._compile(tuned, config, fn, sig, constexprs))
+            return
+        self._compile(tuned, config, fn, sig, constexprs)
+
+    def _compile(self, tuned, config, fn, sig, constexprs) -> None:
         label = f"{tuned.name.split('.')[-1]} {config}"
         t0 = time.perf_counter()
         try:
@@ -142,6 +150,9 @@ def main(argv=None) -> int:
                    help="force the segment split of the forward state pass")
     p.add_argument("--resources", action="store_true",
                    help="registers, stack, local (spill) and shared memory per kernel")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many threads once every launch is recorded (does "
+                        "Triton's compiler run in parallel within one process?)")
     p.add_argument("--ops", default="gated_delta_rule",
                    help="comma-separated families: gated_delta_rule, simple_gla, dplr, "
                         "gla, rwkv6")
@@ -151,6 +162,7 @@ def main(argv=None) -> int:
 
     compiler = OfflineCompiler(args.arch, args.configs == "all", args.resources)
     compiler.only = args.only
+    compiler.parallel = args.jobs > 1
     # The launchers run on CPU tensors as if on the GPU: Triton path chosen, kernels
     # compiled instead of launched.
     backend.is_interpreter = lambda: True
@@ -203,6 +215,11 @@ def main(argv=None) -> int:
             else:
                 o, ht = op(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()
+    if compiler.jobs:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda job: job(), compiler.jobs))
     print(f"{len(compiler.seen)} kernels compiled in {compiler.total_s:.1f} s "
           f"({time.perf_counter() - t0:.1f} s wall), {compiler.failures} failed")
     return 1 if compiler.failures else 0

@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from fla.utils.compile_ahead import recording
 from fla.utils.triton_facts import TRITON_VERSION_STRING, device_name, is_interpreter
 
 __all__ = ["Config", "TunedKernel", "tuned", "tuning_enabled", "cache_dir"]
@@ -190,6 +191,9 @@ class TunedKernel:
             named = self._bind(args, kwargs)
         else:
             named = kwargs
+        recorder = recording()
+        if recorder is not None:  # fla.utils.compile_ahead: compile, do not launch
+            return recorder.launch(self, grid, named)
         key = self.key_of(named)
         config = self._chosen.get(key)
         if config is None:

@@ -182,7 +182,7 @@ def chunk_gated_delta_rule_fwd_intra_kernel(
     # spills (Nsight Compute: 12.5% occupancy, 0.82 M local-memory requests at T·H = 786K).
     if USE_G:
         b_gc = tl.load(g_cum + (row0 + o_t) * H + i_h, mask=m_t, other=0.)
-    for i_r in tl.static_range(4):
+    for i_r in range(4):
         rows = i_r * 16 + o_c
         b_S = tl.zeros([16, BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):

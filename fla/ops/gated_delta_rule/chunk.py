@@ -30,6 +30,7 @@ from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.l2norm import l2norm
 from fla.ops.utils.solve_tril import solve_tril
+from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
 
 CHUNK_SIZE = 64
@@ -45,15 +46,37 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     return o, g_cum, Ai, final_state
 
 
+def _backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices, do, dht,
+              scale, g_dtype):
+    """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
+                                               chunk_size=CHUNK_SIZE, **varlen)
+    dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv,
+                                                 scale, chunk_size=CHUNK_SIZE, **varlen)
+    dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
+                                     chunk_size=CHUNK_SIZE, **varlen)
+    dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
+    dk = dk + dk_wy
+    if g_cum is not None:
+        # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
+        dg = chunk_local_cumsum(dg + dg_wy, CHUNK_SIZE, reverse=True, output_dtype=g_dtype,
+                                **varlen)
+    return (dq, dk, dv, dg, dbeta.to(beta.dtype),
+            None if initial_state is None else dh0.to(initial_state.dtype))
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
                 chunk_indices, offsets):
-        o, g_cum, A, final_state = _forward(q, k, v, g, beta, scale, initial_state,
-                                            output_final_state, cu_seqlens, chunk_indices,
-                                            offsets)
+        o, g_cum, A, final_state = compile_ahead.run(
+            "gated_delta_rule.fwd", _forward, q, k, v, g, beta, scale, initial_state,
+            output_final_state, cu_seqlens, chunk_indices, offsets)
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices)
         ctx.scale = scale
         ctx.g_dtype = None if g is None else g.dtype
@@ -61,27 +84,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
-        scale = ctx.scale
-        do = torch.zeros_like(v) if do is None else do.contiguous()
+        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
-                                                   chunk_size=CHUNK_SIZE, **varlen)
-        dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv,
-                                                     scale, chunk_size=CHUNK_SIZE, **varlen)
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
-                                         chunk_size=CHUNK_SIZE, **varlen)
-        dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
-        dk = dk + dk_wy
-        if g_cum is not None:
-            # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
-            dg = chunk_local_cumsum(dg + dg_wy, CHUNK_SIZE, reverse=True,
-                                    output_dtype=ctx.g_dtype, **varlen)
-        return (dq, dk, dv, dg, dbeta.to(beta.dtype),
-                None if initial_state is None else dh0.to(initial_state.dtype),
+        return (*compile_ahead.run("gated_delta_rule.bwd", _backward, *ctx.saved_tensors, do,
+                                   dht, ctx.scale, ctx.g_dtype),
                 None, None, None, None, None)
 
 

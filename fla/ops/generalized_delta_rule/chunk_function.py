@@ -24,12 +24,18 @@ from fla.ops.common.chunk_dplr_fwd_intra import CHUNK_SIZE, chunk_dplr_fwd_intra
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.solve_tril import solve_tril_fwd
+from fla.utils import compile_ahead
 
 
-def _intra(q, k, a, b, gk, cu_seqlens, chunk_indices, offsets):
+def _forward(q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
+             chunk_indices, offsets, N, save):
+    """``(o, ht, Aqk, Aqb, Aak, Ai, h, u)``; h and u (for the backward) only with ``save``."""
     Aqk, Aqb, Aak, Anab = chunk_dplr_fwd_intra(q, k, a, b, gk, cu_seqlens, chunk_indices)
     Ai = solve_tril_fwd(Anab, cu_seqlens, torch.float32, chunk_indices, offsets)
-    return Aqk, Aqb, Aak, Ai
+    o, ht, h, u = chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale,
+                                   initial_state, output_final_state, cu_seqlens,
+                                   offsets, N, save=save, chunk_size=CHUNK_SIZE)
+    return o, ht, Aqk, Aqb, Aak, Ai, h, u
 
 
 class ChunkDPLRFunction(torch.autograd.Function):
@@ -38,10 +44,9 @@ class ChunkDPLRFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
                 chunk_indices, offsets, N):
-        Aqk, Aqb, Aak, Ai = _intra(q, k, a, b, gk, cu_seqlens, chunk_indices, offsets)
-        o, ht, h, u = chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale,
-                                       initial_state, output_final_state, cu_seqlens,
-                                       offsets, N, save=True, chunk_size=CHUNK_SIZE)
+        o, ht, Aqk, Aqb, Aak, Ai, h, u = compile_ahead.run(
+            "dplr.fwd", _forward, q, k, v, a, b, gk, initial_state, scale, output_final_state,
+            cu_seqlens, chunk_indices, offsets, N, True)
         ctx.save_for_backward(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
                               cu_seqlens, chunk_indices)
         ctx.scale, ctx.offsets, ctx.N = scale, offsets, N
@@ -55,9 +60,9 @@ class ChunkDPLRFunction(torch.autograd.Function):
          chunk_indices) = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        grads = chunk_dplr_bwd(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
-                               do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets,
-                               ctx.N)
+        grads = compile_ahead.run(
+            "dplr.bwd", chunk_dplr_bwd, q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h,
+            u, ht, do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets, ctx.N)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -71,9 +76,7 @@ def chunk_dplr_triton(x: DPLRInputs, output_final_state: bool):
         return ChunkDPLRFunction.apply(*x.tensors(), x.initial_state, x.scale,
                                        output_final_state, x.cu_seqlens, chunk_indices,
                                        x.seq_offsets, x.N)
-    Aqk, Aqb, Aak, Ai = _intra(x.q, x.k, x.a, x.b, x.gk, x.cu_seqlens, chunk_indices,
-                               x.seq_offsets)
-    o, ht, _, _ = chunk_dplr_fwd_h(x.q, x.k, x.v, x.a, x.b, x.gk, Aqk, Aqb, Aak, Ai, x.scale,
-                                   x.initial_state, output_final_state, x.cu_seqlens,
-                                   x.seq_offsets, x.N, chunk_size=CHUNK_SIZE)
+    o, ht, *_ = compile_ahead.run(
+        "dplr.fwd", _forward, *x.tensors(), x.initial_state, x.scale, output_final_state,
+        x.cu_seqlens, chunk_indices, x.seq_offsets, x.N, False)
     return o, ht

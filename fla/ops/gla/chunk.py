@@ -26,11 +26,37 @@ from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd, chunk_gk_fwd_h
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import chunk_gla_torch
 from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
+from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_gla", "chunk_gla_on_inputs"]
 
 CHUNK_SIZE = 64
+
+
+def _forward(q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens,
+             chunk_indices, chunk_offsets, exclusive, out_dtype):
+    return chunk_gk_fwd(q, k, v, g, scale, u=u, initial_state=initial_state,
+                        output_final_state=output_final_state, chunk_offsets=chunk_offsets,
+                        exclusive=exclusive, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
+                        chunk_indices=chunk_indices)
+
+
+def _backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
+              chunk_offsets, do, dht, scale, exclusive):
+    """Gradients (dq, dk, dv, dg, du, dh0) from the forward's saved tensors."""
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    NT = None if cu_seqlens is None else chunk_indices.shape[0]
+    _, h, _ = chunk_gk_fwd_h(q, k, v, g_cum, None, scale, initial_state, False,
+                             store_h=True, store_o=False, cu_seqlens=cu_seqlens,
+                             chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive)
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+        q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
+        Aqk=A, gq_exclusive=exclusive, **varlen)
+    dq, dk, dg, du = chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale, u=u,
+                                       exclusive=exclusive, **varlen)
+    return (dq, dk, dv.to(v.dtype), dg, None if u is None else du.to(u.dtype),
+            None if initial_state is None else dh0.to(initial_state.dtype))
 
 
 class ChunkGLAFunction(torch.autograd.Function):
@@ -39,11 +65,9 @@ class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens,
                 chunk_indices, chunk_offsets, exclusive, out_dtype):
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        o, final_state, g_cum, A = chunk_gk_fwd(
-            q, k, v, g, scale, u=u, initial_state=initial_state,
-            output_final_state=output_final_state, chunk_offsets=chunk_offsets,
-            exclusive=exclusive, out_dtype=out_dtype, **varlen)
+        o, final_state, g_cum, A = compile_ahead.run(
+            "gla.fwd", _forward, q, k, v, g, u, initial_state, scale, output_final_state,
+            cu_seqlens, chunk_indices, chunk_offsets, exclusive, out_dtype)
         # γ and A (64 values a token and head) are kept; h (K·V/64 a token) is recomputed.
         ctx.save_for_backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens,
                               chunk_indices, chunk_offsets)
@@ -52,24 +76,10 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        (q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
-         chunk_offsets) = ctx.saved_tensors
-        scale, exclusive = ctx.scale, ctx.exclusive
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        do = torch.zeros_like(v) if do is None else do.contiguous()
+        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        NT = None if cu_seqlens is None else chunk_indices.shape[0]
-        _, h, _ = chunk_gk_fwd_h(q, k, v, g_cum, None, scale, initial_state, False,
-                                 store_h=True, store_o=False, cu_seqlens=cu_seqlens,
-                                 chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
-            q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
-            Aqk=A, gq_exclusive=exclusive, **varlen)
-        dq, dk, dg, du = chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale, u=u,
-                                           exclusive=exclusive, **varlen)
-        return (dq, dk, dv.to(v.dtype), dg,
-                None if u is None else du.to(u.dtype),
-                None if initial_state is None else dh0.to(initial_state.dtype),
+        return (*compile_ahead.run("gla.bwd", _backward, *ctx.saved_tensors, do, dht,
+                                   ctx.scale, ctx.exclusive),
                 None, None, None, None, None, None, None)
 
 

@@ -26,11 +26,40 @@ from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs
 from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices
+from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_simple_gla"]
 
 CHUNK_SIZE = 64
+
+
+def _forward(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
+             offsets):
+    g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
+        q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
+    o, final_state = chunk_gated_delta_rule_fwd_inter(
+        q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
+        cu_seqlens=cu_seqlens, offsets=offsets)
+    return o, final_state, g_cum, Aqk
+
+
+def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do, dht, scale,
+              g_dtype):
+    """Gradients (dq, dk, dv, dg, dh0) from the forward's saved tensors."""
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
+                                           chunk_size=CHUNK_SIZE, save_new_value=False,
+                                           **varlen)
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
+                                                 None, scale, chunk_size=CHUNK_SIZE,
+                                                 Aqk=Aqk, **varlen)
+    dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
+                                    chunk_size=CHUNK_SIZE, **varlen)
+    if dg is not None:
+        # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
+        dg = chunk_local_cumsum(dg, CHUNK_SIZE, reverse=True, output_dtype=g_dtype, **varlen)
+    return dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype)
 
 
 class ChunkSimpleGLAFunction(torch.autograd.Function):
@@ -39,11 +68,9 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens,
                 chunk_indices, offsets):
-        g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
-            q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
-        o, final_state = chunk_gated_delta_rule_fwd_inter(
-            q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
-            cu_seqlens=cu_seqlens, offsets=offsets)
+        o, final_state, g_cum, Aqk = compile_ahead.run(
+            "simple_gla.fwd", _forward, q, k, v, g, initial_state, scale, output_final_state,
+            cu_seqlens, chunk_indices, offsets)
         # Aqk (64 values a token and head) is kept: the reverse state pass turns it into
         # dv_local without recomputing Q Kᵀ.
         ctx.save_for_backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices)
@@ -53,24 +80,10 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
-        scale = ctx.scale
-        do = torch.zeros_like(v) if do is None else do.contiguous()
+        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
-                                               chunk_size=CHUNK_SIZE, save_new_value=False,
-                                               **varlen)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
-                                                     None, scale, chunk_size=CHUNK_SIZE,
-                                                     Aqk=Aqk, **varlen)
-        dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
-                                        chunk_size=CHUNK_SIZE, **varlen)
-        if dg is not None:
-            # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
-            dg = chunk_local_cumsum(dg, CHUNK_SIZE, reverse=True, output_dtype=ctx.g_dtype,
-                                    **varlen)
-        return (dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype),
+        return (*compile_ahead.run("simple_gla.bwd", _backward, *ctx.saved_tensors, do, dht,
+                                   ctx.scale, ctx.g_dtype),
                 None, None, None, None, None)
 
 

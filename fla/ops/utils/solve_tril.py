@@ -63,7 +63,7 @@ def unit_lower_inverse_blocks(b_A):
     cols = o_i[None, None, :]
     b_A = tl.where(rows > cols, b_A, 0.)
     b_N = -b_A
-    for i in tl.static_range(2, 16):
+    for i in range(2, 16):
         sel = rows == i
         b_a = -tl.sum(tl.where(sel, b_A, 0.), 1)
         b_a += tl.sum(b_a[:, :, None] * b_N, 1)

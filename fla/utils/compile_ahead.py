@@ -1,0 +1,144 @@
+"""Compile ahead: the kernels of a multi-kernel step built in parallel before it runs.
+
+A chunked op's forward launches three to six Triton kernels and its backward six to ten.
+Triton compiles each at its first launch, one after another, 0.5-7 s apiece, so the first
+fwd+bwd call at a new shape took 8-18 s on the H100 (benchmarks/RESULTS.md, cold start).
+Triton's compiler spends most of that time in C++ with the GIL released, so the kernels
+of a step can be built side by side in threads.
+
+:func:`run` does that for a step (a forward or backward orchestration of stages) the
+first time it sees its argument types and shapes: it runs the step once in *recording*
+mode, where every launch through the tuning layer (:class:`fla.utils.tuning.TunedKernel`)
+submits the compilation of the config it would use to a thread pool instead of
+launching; it waits for them; then it runs the step for real, and every launch finds its
+kernel built. The recording run executes the step's PyTorch operations on the
+uninitialised outputs of kernels that did not run, so a step given to :func:`run` must
+not modify its inputs outside its kernels nor read device values on the host.
+
+Off in the interpreter, when tuning (``FLA_TUNE=1``: tuning compiles every config
+anyway), under ``torch.compile`` tracing and CUDA graph capture, and with
+``FLA_COMPILE_AHEAD=0``. Anything that fails while recording or compiling ahead is
+ignored: the real run compiles (and reports) as it would without this.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from fla.utils.triton_facts import is_interpreter
+
+__all__ = ["run", "recording"]
+
+_SEEN_LIMIT = 4096
+_seen: set = set()
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_state = threading.local()  # .recorder: the active _Recorder of this thread, if any
+
+
+def recording():
+    """The active recorder of this thread (read by the tuning layer at each launch), or
+    None."""
+    return getattr(_state, "recorder", None)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.jobs: list[Future] = []
+
+    def launch(self, tuned, grid, named: dict) -> None:
+        """Called by TunedKernel.launch instead of launching: choose the config as the
+        real launch will, and compile it in the pool."""
+        key = tuned.key_of(named)
+        config = tuned._chosen.get(key)
+        if config is None:
+            config = tuned._choose(key, named, grid)
+        if (key, config) in tuned._verified:
+            return
+        device = next((v.device for v in named.values()
+                       if isinstance(v, torch.Tensor) and v.is_cuda), None)
+
+        def build():
+            # Worker threads start on device 0: compile for the inputs' device.
+            with torch.cuda.device(device) if device is not None else nullcontext():
+                tuned._compile(config, grid, named)
+
+        self.jobs.append(_executor().submit(build))
+
+    def wait(self) -> None:
+        for job in self.jobs:
+            try:
+                job.result()
+            except Exception:  # noqa: BLE001 - the real launch rebuilds and reports
+                pass
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="fla-compile")
+        return _pool
+
+
+def _signature(value: Any) -> Any:
+    """What decides which kernels a step compiles: dtypes, ranks, devices, the sizes past
+    the (batch, time) dims and the flags; not B, T or counts, which change from call to
+    call under varlen (a size that does change a kernel's specialization, like T's
+    divisibility by 16, only means that kernel compiles at its launch as usual)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.dim(), tuple(value.shape[2:]), value.device)
+    if isinstance(value, (tuple, list)):
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return "numbers"  # offsets and the like: their count varies with the batch
+        return tuple(_signature(v) for v in value)
+    if value is None or isinstance(value, (bool, str, torch.dtype)):
+        return value
+    return type(value).__name__
+
+
+def _enabled(args) -> bool:
+    if os.environ.get("FLA_COMPILE_AHEAD", "1") in ("0", "") or is_interpreter():
+        return False
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return False
+    from fla.utils.tuning import tuning_enabled
+
+    if tuning_enabled() or recording() is not None:
+        return False
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def run(label: str, step: Callable, *args: Any) -> Any:
+    """``step(*args)``; at the first call with these argument types and shapes (per
+    ``label``), its kernels are compiled in parallel first (see the module's doc)."""
+    if not _enabled(args):
+        return step(*args)
+    key = (label, _signature(args))
+    with _lock:
+        first = key not in _seen
+        if first:
+            if len(_seen) >= _SEEN_LIMIT:
+                _seen.clear()
+            _seen.add(key)
+    if first:
+        recorder = _Recorder()
+        _state.recorder = recorder
+        try:
+            with torch.no_grad():
+                step(*args)
+        except Exception:  # noqa: BLE001 - garbage-in host logic: the real run decides
+            pass
+        finally:
+            _state.recorder = None
+        recorder.wait()
+    return step(*args)

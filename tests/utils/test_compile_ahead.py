@@ -1,0 +1,64 @@
+"""fla.utils.compile_ahead: at the first call of a chunk op's forward or backward with new
+argument types, every kernel the step launches is handed to the compile pool (recorded,
+not launched), then the step runs for real with the same results; a second call records
+nothing. On CPU the compile itself is replaced by a recorder (the interpreter compiles
+nothing); the GPU cold-start benchmark measures the real thing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fla.utils import compile_ahead
+from fla.utils.tuning import TunedKernel
+from tests.helpers import generator, log_gate, randn
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Compile ahead switched on for CPU tensors, every kernel unbuilt (as in a fresh
+    process); returns the names of the kernels it hands to the compiler."""
+    import gc
+
+    names: list[str] = []
+    monkeypatch.setattr(compile_ahead, "_enabled", lambda args: True)
+    monkeypatch.setattr(compile_ahead, "_seen", set())
+    monkeypatch.setattr(TunedKernel, "_compile",
+                        lambda self, config, grid, named: names.append(self.name))
+    for kernel in [obj for obj in gc.get_objects() if type(obj) is TunedKernel]:
+        monkeypatch.setattr(kernel, "_verified", set())
+    return names
+
+
+def _gdn(gen, T=100):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    leaves = dict(q=randn((1, T, 2, 32), gen), k=randn((1, T, 2, 32), gen, scale=32 ** -0.5),
+                  v=randn((1, T, 2, 32), gen), g=log_gate((1, T, 2), gen),
+                  beta=torch.rand(1, T, 2, generator=gen),
+                  initial_state=randn((1, 2, 32, 32), gen))
+    leaves = {n: x.requires_grad_() for n, x in leaves.items()}
+    o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    (o.sum() + ht.sum()).backward()
+    return o.detach(), ht.detach(), {n: x.grad for n, x in leaves.items()}
+
+
+def test_records_every_kernel_once_and_changes_nothing(compiled, seed, monkeypatch):
+    ahead = _gdn(generator(seed))
+    kernels = {name.rsplit(".", 1)[-1] for name in compiled}
+    assert {"chunk_gated_delta_rule_fwd_intra_kernel", "chunk_gated_delta_rule_fwd_inter_kernel",
+            "chunk_gated_delta_rule_bwd_dhu_kernel", "chunk_bwd_dqkwg_kernel",
+            "prepare_wy_repr_bwd_kernel"} <= kernels, kernels
+    count = len(compiled)
+    _gdn(generator(seed))  # the same types and sizes: nothing new to compile
+    assert len(compiled) == count
+    monkeypatch.setattr(compile_ahead, "_enabled", lambda args: False)
+    plain = _gdn(generator(seed))
+    assert torch.equal(ahead[0], plain[0]) and torch.equal(ahead[1], plain[1])
+    for name, grad in plain[2].items():
+        assert torch.equal(ahead[2][name], grad), name
+
+
+def test_off_without_cuda_tensors():
+    assert not compile_ahead._enabled((torch.zeros(2),))
