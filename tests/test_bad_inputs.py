@@ -42,8 +42,15 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
 from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fla.ops.generalized_delta_rule import (
+    chunk_dplr_delta_rule,
+    fused_recurrent_dplr_delta_rule,
+)
+from fla.ops.gla import chunk_gla, fused_recurrent_gla
 from fla.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update
 from fla.ops.retention import chunk_retention, fused_recurrent_retention
+from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
+from fla.ops.rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7
 from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 from fla.ops.utils import chunk_local_cumsum, solve_tril
 
@@ -139,6 +146,70 @@ def sgla(d, fn=chunk_simple_gla, **kw):
     args = dict(q=q, k=k, v=v, g=gate(d))
     args.update(kw)
     return fn(**args)
+
+
+def F_normalize(x):
+    """Unit rows along the last dim: RWKV7-like a = −κ̂, b = κ̂·a keep the state bounded."""
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def key_gate(d, b=B, tt=T, h=H, k=K):
+    """A per-key-channel log decay [B, T, H, K] (GLA's gk, RWKV6's and RWKV7's w)."""
+    return -torch.rand(b, tt, h, k, device=d)
+
+
+def gla(d, fn=chunk_gla, g=None, **kw):
+    """The gate goes by position: ``g`` in chunk_gla, ``gk`` in fused_recurrent_gla."""
+    q, k, v = qkv(d)
+    args = dict(q=q, k=k, v=v)
+    args.update(kw)
+    return fn(args.pop("q"), args.pop("k"), args.pop("v"), key_gate(d) if g is None else g,
+              **args)
+
+
+def rwkv6(d, fn=chunk_rwkv6, **kw):
+    r, k, v = qkv(d)
+    args = dict(r=r, k=k, v=v, w=key_gate(d), u=t(d, H, K))
+    args.update(kw)
+    return fn(**args)
+
+
+def dplr(d, fn=chunk_dplr_delta_rule, **kw):
+    q, k, v = qkv(d)
+    args = dict(q=q, k=k, v=v, a=t(d, B, T, H, K), b=t(d, B, T, H, K), gk=key_gate(d))
+    args.update(kw)
+    return fn(**args)
+
+
+def rwkv7(d, fn=chunk_rwkv7, **kw):
+    r, k, v = qkv(d)
+    args = dict(r=r, w=key_gate(d), k=k, v=v, a=t(d, B, T, H, K), b=t(d, B, T, H, K))
+    args.update(kw)
+    return fn(**args)
+
+
+def layer(d, name, x=None, **kw):
+    """A small token-mixing layer of ``fla.layers`` (width 64) on ``x`` (default good)."""
+    import fla.layers as L
+
+    sizes = {"GatedDeltaNet": dict(num_heads=4, head_dim=16),
+             "GatedLinearAttention": dict(num_heads=4), "RWKV7Attention": dict(head_dim=16),
+             "Mamba2": dict(head_dim=16, state_size=16), "Attention": dict(num_heads=4)}
+    module = getattr(L, name)(hidden_size=64, **sizes[name]).to(d)
+    return module(t(d, B, T, 64) if x is None else x, **kw)
+
+
+def model(d, input_ids=None, **kw):
+    """A tiny GatedDeltaNet causal LM (vocab 100) on ``input_ids`` (default good)."""
+    from transformers import AutoModelForCausalLM
+
+    from fla.models import GatedDeltaNetConfig
+
+    config = GatedDeltaNetConfig(hidden_size=64, num_heads=4, head_dim=16,
+                                 num_hidden_layers=1, vocab_size=100)
+    net = AutoModelForCausalLM.from_config(config).to(d).eval()
+    ids = idx(d, [[5, 6, 7, 8]] * B) if input_ids is None else input_ids
+    return net(input_ids=ids, **kw)
 
 
 # Mamba2: b, T, H heads of P channels, G groups of N state entries.
@@ -491,6 +562,82 @@ CASES: list[Case] = [
          ["bias:", "(50,)", "49"]),
     Case("flce/empty_rows", lambda d: flce(d, x=t(d, 0, 32), target=idx(d, [])), ValueError,
          ["x:", "at least one row", "N = 0"]),
+    # ---- GLA and RWKV6 (per-key-channel gates; the chunk and recurrent forms share checks)
+    Case("gla/g_scalar_per_head", lambda d: gla(d, g=gate(d)), ValueError,
+         ["g:", "4-D", "[B, T, H, K]", f"({B}, {T}, {H})"]),
+    Case("gla/g_key_width_mismatch", lambda d: gla(d, fn=fused_recurrent_gla,
+                                                   g=key_gate(d, k=K + 1)), ValueError,
+         ["gk:", f"K is {K + 1} here but {K} in q"]),
+    Case("gla/k_time_mismatch", lambda d: gla(d, k=t(d, B, T + 1, H, K)), ValueError,
+         ["k:", f"T is {T + 1} here but {T} in q"]),
+    Case("gla/initial_state_wrong_V", lambda d: gla(d, initial_state=t(d, B, H, K, V + 1)),
+         ValueError, ["initial_state:", "[N, H, K, V]", f"V is {V + 1} here but {V} in v"]),
+    Case("gla/T_0", lambda d: gla(d, q=t(d, B, 0, H, K), k=t(d, B, 0, H, K),
+                                  v=t(d, B, 0, H, V), g=key_gate(d, tt=0)), ValueError,
+         ["T >= 1", "T = 0"]),
+    Case("gla/head_dim_over_limit", lambda d: gla(
+        d, q=t(d, B, T, H, 320), k=t(d, B, T, H, 320), g=key_gate(d, k=320)), ValueError,
+         ["K = 320", "K <= 256"]),
+    Case("gla/cu_seqlens_with_batch_2", lambda d: gla(d, cu_seqlens=idx(d, [0, 3, T])),
+         ValueError, ["cu_seqlens:", "B == 1", f"B = {B}"]),
+    Case("rwkv6/u_wrong_width", lambda d: rwkv6(d, u=t(d, H, K + 1)), ValueError,
+         ["u:", "[H, K]", f"K is {K + 1} here but {K} in r"]),
+    Case("rwkv6/u_with_batch_dim", lambda d: rwkv6(d, fn=fused_recurrent_rwkv6,
+                                                   u=t(d, 1, H, K)), ValueError,
+         ["u:", "2-D", "[H, K]", f"(1, {H}, {K})"]),
+    Case("rwkv6/w_float64", lambda d: rwkv6(d, w=key_gate(d).double()), TypeError,
+         ["w:", "float32, float16, bfloat16", "got float64"]),
+    # ---- DPLR and RWKV7 (messages name the caller's arguments: r and w for RWKV7)
+    Case("dplr/a_wrong_width", lambda d: dplr(d, a=t(d, B, T, H, K + 1)), ValueError,
+         ["a:", f"K is {K + 1} here but {K} in q"]),
+    Case("dplr/gk_scalar_per_head", lambda d: dplr(d, fn=fused_recurrent_dplr_delta_rule,
+                                                   gk=gate(d)), ValueError,
+         ["gk:", "4-D", "[B, T, H, K]", f"({B}, {T}, {H})"]),
+    Case("dplr/cu_seqlens_not_increasing", lambda d: dplr(
+        d, q=t(d, 1, T, H, K), k=t(d, 1, T, H, K), v=t(d, 1, T, H, V), a=t(d, 1, T, H, K),
+        b=t(d, 1, T, H, K), gk=key_gate(d, b=1), cu_seqlens=idx(d, [0, 5, 3, T])), ValueError,
+         ["cu_seqlens:", "strictly increasing", "5 then 3"]),
+    Case("rwkv7/w_int", lambda d: rwkv7(d, w=torch.zeros(B, T, H, K, dtype=torch.int32,
+                                                         device=d)), TypeError,
+         ["w:", "float32, float16, bfloat16", "got int32"]),
+    Case("rwkv7/initial_state_wrong_N", lambda d: rwkv7(d, fn=fused_recurrent_rwkv7,
+                                                        initial_state=t(d, B + 1, H, K, V)),
+         ValueError, ["initial_state:", f"N is {B + 1} here but {B} in r"]),
+    # ---- layers (fla.layers): the common forward checks, then the op's
+    Case("layer/gated_deltanet_width_mismatch", lambda d: layer(
+        d, "GatedDeltaNet", x=t(d, B, T, 48)), ValueError,
+         ["hidden_states:", "hidden_size = 64", f"({B}, {T}, 48)"]),
+    Case("layer/gla_2d_input", lambda d: layer(d, "GatedLinearAttention", x=t(d, T, 64)),
+         ValueError, ["hidden_states:", "[B, T, 64]"]),
+    Case("layer/mask_shorter_than_T", lambda d: layer(
+        d, "GatedDeltaNet", attention_mask=torch.ones(B, T - 3, device=d)), ValueError,
+         ["attention_mask:", f"[{B}, L >= {T}]", f"({B}, {T - 3})"]),
+    Case("layer/rwkv7_mask_and_cu_seqlens", lambda d: layer(
+        d, "RWKV7Attention", x=t(d, 1, T, 64), attention_mask=torch.ones(1, T, device=d),
+        cu_seqlens=idx(d, [0, 3, T])), ValueError, ["attention_mask and cu_seqlens"]),
+    Case("layer/mamba2_unknown_mode", lambda d: __import__("fla.layers", fromlist=["Mamba2"])
+         .Mamba2(hidden_size=64, head_dim=16, mode="parallel"), ValueError,
+         ["mode:", "'chunk', 'fused_recurrent'", "'parallel'"]),
+    # ---- models (fla.models): token ids, labels, masks, the cache, configs
+    Case("model/token_id_ge_vocab", lambda d: model(d, input_ids=idx(d, [[1, 2, 100]])),
+         ValueError, ["input_ids:", "vocab_size = 100", "maximum is 100"]),
+    Case("model/token_id_negative", lambda d: model(d, input_ids=idx(d, [[1, -2, 3]])),
+         ValueError, ["input_ids:", "vocab_size = 100", "minimum is -2"]),
+    Case("model/float_token_ids", lambda d: model(d, input_ids=t(d, 1, 3)), TypeError,
+         ["input_ids:", "integer tensor", "float32"]),
+    Case("model/labels_wrong_shape", lambda d: model(d, labels=idx(d, [[1, 2]] * B)),
+         ValueError, ["labels:", f"({B}, 4)", f"({B}, 2)"]),
+    Case("model/label_id_ge_vocab", lambda d: model(d, labels=idx(d, [[1, 2, 3, 250]] * B)),
+         ValueError, ["labels:", "vocab_size = 100", "maximum is 250"]),
+    Case("model/mask_batch_mismatch", lambda d: model(
+        d, attention_mask=torch.ones(B + 1, 4, device=d)), ValueError,
+         ["attention_mask:", f"[{B}, L >= 4]", f"({B + 1}, 4)"]),
+    Case("model/cache_not_a_cache", lambda d: model(d, past_key_values={}), TypeError,
+         ["past_key_values:", "fla.models.utils.Cache", "dict"]),
+    Case("model/config_heads_not_dividing", lambda d: __import__(
+        "fla.models", fromlist=["GatedDeltaNetConfig"]).GatedDeltaNetConfig(
+        hidden_size=64, num_heads=5, head_dim=16, num_v_heads=7), ValueError,
+         ["num_v_heads:", "multiple of num_heads = 5", "got 7"]),
 ]
 
 
@@ -540,6 +687,12 @@ GOOD: dict[str, Callable[[str], object]] = {
     "GatedMLP": lambda d: M.GatedMLP(32, intermediate_size=64).to(d)(t(d, 4, 32)),
     "FusedCrossEntropyLoss": lambda d: ce(d),
     "FusedLinearCrossEntropyLoss": lambda d: flce(d),
+    "chunk_gla": lambda d: gla(d, output_final_state=True),
+    "fused_recurrent_rwkv6": lambda d: rwkv6(d, fn=fused_recurrent_rwkv6),
+    "chunk_rwkv7": lambda d: rwkv7(d, a=-F_normalize(t(d, B, T, H, K)),
+                                   b=F_normalize(t(d, B, T, H, K)) * 0.5),
+    "GatedDeltaNet layer": lambda d: layer(d, "GatedDeltaNet")[0],
+    "GatedDeltaNet model": lambda d: model(d).logits,
 }
 
 
