@@ -113,13 +113,17 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
 
 
 class FLAModel(FLAPreTrainedModel):
-    """Embeddings, ``num_hidden_layers`` blocks, final RMSNorm."""
+    """Embeddings (then the config's embedding norm, if any), ``num_hidden_layers`` blocks,
+    final norm."""
 
     def __init__(self, config: FLAConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        embeddings_norm = config.build_embedding_norm()
+        if embeddings_norm is not None:
+            self.embeddings_norm = embeddings_norm
         self.layers = nn.ModuleList(FLABlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = config.build_norm()
         self.gradient_checkpointing = False
@@ -184,6 +188,8 @@ class FLAModel(FLAPreTrainedModel):
             past_key_values = Cache()
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if hasattr(self, "embeddings_norm"):
+            hidden_states = self.embeddings_norm(hidden_states)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         shared_state: dict[str, torch.Tensor] = {}  # see FLABlock

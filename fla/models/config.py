@@ -107,6 +107,11 @@ class FLAConfig(PretrainedConfig):
 
         return RMSNorm(self.hidden_size, eps=self.norm_eps)
 
+    def build_embedding_norm(self) -> nn.Module | None:
+        """A norm of the token embeddings before the first block (RWKV's ``ln0``), or None
+        (the default: the first block's own pre-norm is the first norm)."""
+        return None
+
     def is_attention_layer(self, layer_idx: int) -> bool:
         return self.attn is not None and layer_idx in self.attn["layers"]
 

@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is
 class RWKV6Config(FLAConfig):
     """Mixer settings as :class:`fla.layers.RWKV6Attention` (``attn_mode`` is its
     ``mode``); ``hidden_ratio`` / ``intermediate_size`` size the channel mix (3.5 d);
-    ``norm_bias`` / ``norm_eps`` the blocks' LayerNorms; the rest as
+    ``norm_bias`` / ``norm_eps`` the LayerNorms; ``norm_first``: a LayerNorm of the
+    embeddings before the first block (RWKV's ``ln0``); the rest as
     :class:`fla.models.base.FLAConfig`."""
 
     model_type = "rwkv6"
@@ -24,11 +25,12 @@ class RWKV6Config(FLAConfig):
                  intermediate_size: int | None = None, num_heads: int = 4,
                  proj_low_rank_dim: int = 32, gate_low_rank_dim: int = 64,
                  hidden_act: str = "sqrelu", norm_bias: bool = True, norm_eps: float = 1e-5,
+                 norm_first: bool = True,
                  **kwargs):
         self.attn_mode = attn_mode
         self.expand_k, self.expand_v, self.num_heads = expand_k, expand_v, num_heads
         self.proj_low_rank_dim, self.gate_low_rank_dim = proj_low_rank_dim, gate_low_rank_dim
-        self.norm_bias = norm_bias
+        self.norm_bias, self.norm_first = norm_bias, norm_first
         super().__init__(hidden_size=hidden_size, hidden_ratio=hidden_ratio,
                          intermediate_size=intermediate_size, hidden_act=hidden_act,
                          norm_eps=norm_eps, **kwargs)
@@ -52,6 +54,9 @@ class RWKV6Config(FLAConfig):
         from fla.modules import LayerNorm
 
         return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
+
+    def build_embedding_norm(self) -> LayerNorm | None:
+        return self.build_norm() if self.norm_first else None
 
 
 def __getattr__(name: str):

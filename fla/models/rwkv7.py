@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is
 class RWKV7Config(FLAConfig):
     """Mixer settings as :class:`fla.layers.RWKV7Attention` (``attn_mode`` is its
     ``mode``); ``hidden_ratio`` / ``intermediate_size`` size the channel mix (4 d);
-    ``norm_bias`` / ``norm_eps`` the blocks' LayerNorms; the rest as
+    ``norm_bias`` / ``norm_eps`` the LayerNorms; ``norm_first``: a LayerNorm of the
+    embeddings before the first block (RWKV's ``ln0``); the rest as
     :class:`fla.models.base.FLAConfig`."""
 
     model_type = "rwkv7"
@@ -27,12 +28,13 @@ class RWKV7Config(FLAConfig):
                  gate_low_rank_dim: int = 128, a_low_rank_dim: int = 64,
                  v_low_rank_dim: int = 16, hidden_ratio: float | None = 4,
                  intermediate_size: int | None = None, hidden_act: str = "sqrelu",
-                 norm_bias: bool = True, norm_eps: float = 1e-5, **kwargs):
+                 norm_bias: bool = True, norm_eps: float = 1e-5,
+                 norm_first: bool = True, **kwargs):
         self.attn_mode = attn_mode
         self.head_dim, self.num_heads, self.value_dim = head_dim, num_heads, value_dim
         self.decay_low_rank_dim, self.gate_low_rank_dim = decay_low_rank_dim, gate_low_rank_dim
         self.a_low_rank_dim, self.v_low_rank_dim = a_low_rank_dim, v_low_rank_dim
-        self.norm_bias = norm_bias
+        self.norm_bias, self.norm_first = norm_bias, norm_first
         super().__init__(hidden_size=hidden_size, hidden_ratio=hidden_ratio,
                          intermediate_size=intermediate_size, hidden_act=hidden_act,
                          norm_eps=norm_eps, **kwargs)
@@ -57,6 +59,9 @@ class RWKV7Config(FLAConfig):
         from fla.modules import LayerNorm
 
         return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
+
+    def build_embedding_norm(self) -> LayerNorm | None:
+        return self.build_norm() if self.norm_first else None
 
 
 def __getattr__(name: str):

@@ -187,6 +187,25 @@ def test_training_lowers_loss(name, seed):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.parametrize("name", ["rwkv6", "rwkv7"])
+def test_rwkv_embeddings_norm(name, seed):
+    """RWKV's ln0: a LayerNorm of the embeddings before the first block (norm_first, on by
+    default); the logits are those of a model fed the normalised embeddings."""
+    from fla.modules import LayerNorm
+
+    model = make(name)
+    assert isinstance(model.model.embeddings_norm, LayerNorm)
+    assert not hasattr(make(name, norm_first=False).model, "embeddings_norm")
+    ids = token_ids(seed, 2, 9)
+    with torch.no_grad():
+        model.model.embeddings_norm.weight.uniform_(0.5, 1.5)
+        logits = model(ids).logits
+        normed = model.model.embeddings_norm(model.model.embeddings(ids))
+        del model.model.embeddings_norm
+        fed = model(inputs_embeds=normed).logits
+    assert_rel_close("logits", logits, fed, 1e-6)
+
+
 def test_loss_is_shifted_next_token(seed):
     model = make("retnet")
     ids = token_ids(seed, 2, 10)
