@@ -162,6 +162,24 @@ class FLAConfig(PretrainedConfig):
 _MODEL_CLASSES: dict[type, tuple[type, type]] = {}
 
 
+class RWKVConfig(FLAConfig):
+    """The RWKV configs' common part: LayerNorms (with a bias when ``norm_bias``) where the
+    other architectures use RMSNorms, and with ``norm_first`` one more LayerNorm on the
+    embeddings before the first block (RWKV's ``ln0``)."""
+
+    def __init__(self, norm_bias: bool = True, norm_first: bool = True, **kwargs):
+        self.norm_bias, self.norm_first = norm_bias, norm_first
+        super().__init__(**kwargs)
+
+    def build_norm(self) -> nn.Module:
+        from fla.modules import LayerNorm
+
+        return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
+
+    def build_embedding_norm(self) -> nn.Module | None:
+        return self.build_norm() if self.norm_first else None
+
+
 def model_classes(config_class: type[FLAConfig]) -> tuple[type, type]:
     """``({Arch}Model, {Arch}ForCausalLM)`` of an architecture's config class, created on
     the first call and registered then with transformers' ``AutoModel`` and

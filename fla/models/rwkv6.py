@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fla.models.config import FLAConfig, lazy_model_class
+from fla.models.config import RWKVConfig, lazy_model_class
 
 if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
     from fla.layers.rwkv6 import RWKV6Attention, RWKV6FeedForward
-    from fla.modules import LayerNorm
 
 
-class RWKV6Config(FLAConfig):
+class RWKV6Config(RWKVConfig):
     """Mixer settings as :class:`fla.layers.RWKV6Attention` (``attn_mode`` is its
     ``mode``); ``hidden_ratio`` / ``intermediate_size`` size the channel mix (3.5 d);
     ``norm_bias`` / ``norm_eps`` the LayerNorms; ``norm_first``: a LayerNorm of the
@@ -30,10 +29,10 @@ class RWKV6Config(FLAConfig):
         self.attn_mode = attn_mode
         self.expand_k, self.expand_v, self.num_heads = expand_k, expand_v, num_heads
         self.proj_low_rank_dim, self.gate_low_rank_dim = proj_low_rank_dim, gate_low_rank_dim
-        self.norm_bias, self.norm_first = norm_bias, norm_first
         super().__init__(hidden_size=hidden_size, hidden_ratio=hidden_ratio,
                          intermediate_size=intermediate_size, hidden_act=hidden_act,
-                         norm_eps=norm_eps, **kwargs)
+                         norm_eps=norm_eps, norm_bias=norm_bias, norm_first=norm_first,
+                         **kwargs)
 
     def build_mixer(self, layer_idx: int) -> RWKV6Attention:
         from fla.layers.rwkv6 import RWKV6Attention
@@ -50,13 +49,6 @@ class RWKV6Config(FLAConfig):
         return RWKV6FeedForward(self.hidden_size, self.hidden_ratio, self.intermediate_size,
                                 layer_idx=layer_idx)
 
-    def build_norm(self) -> LayerNorm:
-        from fla.modules import LayerNorm
-
-        return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
-
-    def build_embedding_norm(self) -> LayerNorm | None:
-        return self.build_norm() if self.norm_first else None
 
 
 def __getattr__(name: str):

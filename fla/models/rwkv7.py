@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fla.models.config import FLAConfig, lazy_model_class
+from fla.models.config import RWKVConfig, lazy_model_class
 
 if TYPE_CHECKING:  # the layers (and their kernels) are imported when a model is built
     from fla.layers.rwkv7 import RWKV7Attention, RWKV7FeedForward
-    from fla.modules import LayerNorm
 
 
-class RWKV7Config(FLAConfig):
+class RWKV7Config(RWKVConfig):
     """Mixer settings as :class:`fla.layers.RWKV7Attention` (``attn_mode`` is its
     ``mode``); ``hidden_ratio`` / ``intermediate_size`` size the channel mix (4 d);
     ``norm_bias`` / ``norm_eps`` the LayerNorms; ``norm_first``: a LayerNorm of the
@@ -34,10 +33,10 @@ class RWKV7Config(FLAConfig):
         self.head_dim, self.num_heads, self.value_dim = head_dim, num_heads, value_dim
         self.decay_low_rank_dim, self.gate_low_rank_dim = decay_low_rank_dim, gate_low_rank_dim
         self.a_low_rank_dim, self.v_low_rank_dim = a_low_rank_dim, v_low_rank_dim
-        self.norm_bias, self.norm_first = norm_bias, norm_first
         super().__init__(hidden_size=hidden_size, hidden_ratio=hidden_ratio,
                          intermediate_size=intermediate_size, hidden_act=hidden_act,
-                         norm_eps=norm_eps, **kwargs)
+                         norm_eps=norm_eps, norm_bias=norm_bias, norm_first=norm_first,
+                         **kwargs)
 
     def build_mixer(self, layer_idx: int) -> RWKV7Attention:
         from fla.layers.rwkv7 import RWKV7Attention
@@ -55,13 +54,6 @@ class RWKV7Config(FLAConfig):
         return RWKV7FeedForward(self.hidden_size, self.hidden_ratio, self.intermediate_size,
                                 layer_idx=layer_idx)
 
-    def build_norm(self) -> LayerNorm:
-        from fla.modules import LayerNorm
-
-        return LayerNorm(self.hidden_size, bias=self.norm_bias, eps=self.norm_eps)
-
-    def build_embedding_norm(self) -> LayerNorm | None:
-        return self.build_norm() if self.norm_first else None
 
 
 def __getattr__(name: str):
