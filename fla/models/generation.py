@@ -101,6 +101,14 @@ def _write(container, key, tensor: torch.Tensor) -> None:
         container[key] = tensor
 
 
+def _uncached_autocast():
+    """Under autocast, the same autocast without its cast cache: cached casts made during
+    capture would be freed with the cache while the graph still reads them."""
+    if not torch.is_autocast_enabled("cuda"):
+        return _nothing()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
 class _GraphedStep:
     """One decoding step captured as a CUDA graph over a fixed set of state tensors.
 
@@ -116,7 +124,7 @@ class _GraphedStep:
         slots = _state_slots(cache)
         seen = list(cache.seen_tokens)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.graph(self.graph, stream=stream), _uncached_autocast():
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]
             nxt = choose(logits, done)
@@ -214,12 +222,15 @@ def decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *,
     with torch.cuda.stream(stream) if stream is not None else _nothing():
         warm = 2 if use_graph else max_new_tokens
         while n < min(warm + 1, max_new_tokens):
+            if eos_token_id is not None and n % check_every == 0 and bool(done.all()):
+                break
             ids = eager_step(ids)
             out[:, pos + n:pos + n + 1] = ids
             n += 1
-        if use_graph and n < max_new_tokens:
+        finished = eos_token_id is not None and bool(done.all())
+        if use_graph and n < max_new_tokens and not finished:
             step = _GraphedStep(model, cache, ids.clone(), done, choose, stream)
-    if stream is not None:
+    if stream is not None and not finished:
         torch.cuda.current_stream().wait_stream(stream)
         while n < max_new_tokens:
             if eos_token_id is not None and n % check_every == 0 and bool(done.all()):
