@@ -76,6 +76,7 @@ class _Recorder:
                 job.result()
             except Exception:  # noqa: BLE001 - the real launch rebuilds and reports
                 pass
+        self.jobs.clear()
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -141,4 +142,5 @@ def run(label: str, step: Callable, *args: Any) -> Any:
         finally:
             _state.recorder = None
         recorder.wait()
+        del recorder  # nothing of the recording run may stay allocated during the real one
     return step(*args)
