@@ -50,6 +50,7 @@ def recording():
 class _Recorder:
     def __init__(self) -> None:
         self.jobs: list[Future] = []
+        self.submitted: set = set()  # (kernel, key, config): one build each
 
     def launch(self, tuned, grid, named: dict) -> None:
         """Called by TunedKernel.launch instead of launching: choose the config as the
@@ -58,8 +59,9 @@ class _Recorder:
         config = tuned._chosen.get(key)
         if config is None:
             config = tuned._choose(key, named, grid)
-        if (key, config) in tuned._verified:
+        if (key, config) in tuned._verified or (id(tuned), key, config) in self.submitted:
             return
+        self.submitted.add((id(tuned), key, config))
         device = next((v.device for v in named.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda), None)
 
