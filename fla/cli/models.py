@@ -37,8 +37,9 @@ SIZES = {
     # ~0.5M parameters: a few minutes of training on 2 CPU cores (see train.py's default).
     "tiny": Size(hidden_size=128, num_hidden_layers=2, head_dim=32, intermediate_size=256),
     "small": Size(hidden_size=512, num_hidden_layers=8, head_dim=64),
-    # ~340M with a 32k vocabulary in the literature; with the byte vocabulary the
-    # embeddings are tiny, so 24 layers of width 1024 carry nearly all of it.
+    # The literature's "340M" shape (width 1024, 24 layers, with a 32k vocabulary); with
+    # the byte vocabulary the embeddings are tiny and the blocks carry it all: 410M
+    # parameters for gated_deltanet (its 2-GPU run in benchmarks/RESULTS.md).
     "340m": Size(hidden_size=1024, num_hidden_layers=24, head_dim=128),
 }
 
