@@ -50,7 +50,6 @@ class RWKV6Config(RWKVConfig):
                                 layer_idx=layer_idx)
 
 
-
 def __getattr__(name: str):
     """``RWKV6Model`` and ``RWKV6ForCausalLM``: the shared model classes bound to
     :class:`RWKV6Config` (see :func:`fla.models.config.model_classes`)."""

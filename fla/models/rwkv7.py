@@ -55,7 +55,6 @@ class RWKV7Config(RWKVConfig):
                                 layer_idx=layer_idx)
 
 
-
 def __getattr__(name: str):
     """``RWKV7Model`` and ``RWKV7ForCausalLM``: the shared model classes bound to
     :class:`RWKV7Config` (see :func:`fla.models.config.model_classes`)."""

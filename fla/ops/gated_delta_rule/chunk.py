@@ -84,9 +84,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
+        saved = ctx.saved_tensors
+        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
         dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("gated_delta_rule.bwd", _backward, *ctx.saved_tensors, do,
+        return (*compile_ahead.run("gated_delta_rule.bwd", _backward, *saved, do,
                                    dht, ctx.scale, ctx.g_dtype),
                 None, None, None, None, None)
 

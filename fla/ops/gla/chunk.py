@@ -36,6 +36,7 @@ CHUNK_SIZE = 64
 
 def _forward(q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens,
              chunk_indices, chunk_offsets, exclusive, out_dtype):
+    """``(o, final_state, g_cum, A)`` by the GLA forward stages."""
     return chunk_gk_fwd(q, k, v, g, scale, u=u, initial_state=initial_state,
                         output_final_state=output_final_state, chunk_offsets=chunk_offsets,
                         exclusive=exclusive, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
@@ -76,9 +77,10 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
+        saved = ctx.saved_tensors
+        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
         dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("gla.bwd", _backward, *ctx.saved_tensors, do, dht,
+        return (*compile_ahead.run("gla.bwd", _backward, *saved, do, dht,
                                    ctx.scale, ctx.exclusive),
                 None, None, None, None, None, None, None)
 

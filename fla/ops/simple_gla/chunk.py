@@ -80,9 +80,10 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do.contiguous()
+        saved = ctx.saved_tensors
+        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
         dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("simple_gla.bwd", _backward, *ctx.saved_tensors, do, dht,
+        return (*compile_ahead.run("simple_gla.bwd", _backward, *saved, do, dht,
                                    ctx.scale, ctx.g_dtype),
                 None, None, None, None, None)
 
