@@ -15,6 +15,12 @@ kernel built. The recording run executes the step's PyTorch operations on the
 uninitialised outputs of kernels that did not run, so a step given to :func:`run` must
 not modify its inputs outside its kernels nor read device values on the host.
 
+A step can name its follower (:func:`follow`: a forward its backward): its kernels are
+recorded together with the first step's and compile in the background while the first
+step, and the rest of the model's forward, run; the first backward then waits only for
+what is still building. A cold fwd+bwd then costs about the longest single build instead
+of the forward's longest plus the backward's.
+
 Off in the interpreter, when tuning (``FLA_TUNE=1``: tuning compiles every config
 anyway), under ``torch.compile`` tracing and CUDA graph capture, and with
 ``FLA_COMPILE_AHEAD=0``. Anything that fails while recording or compiling ahead is
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -32,10 +38,15 @@ import torch
 
 from fla.utils.triton_facts import is_interpreter
 
-__all__ = ["run", "recording"]
+__all__ = ["run", "recording", "launches_skipped", "follow"]
 
 _SEEN_LIMIT = 4096
 _seen: set = set()
+# Every build handed to the pool, by (kernel, key, config): a later recording of the same
+# kernel (the backward after its prefetch) waits on the same build instead of a second.
+_builds: dict[tuple, Future] = {}
+# label -> (next label, next step, args_of(args, outputs)): see :func:`follow`.
+_followers: dict[str, tuple[str, Callable, Callable]] = {}
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _state = threading.local()  # .recorder: the active _Recorder of this thread, if any
@@ -47,10 +58,19 @@ def recording():
     return getattr(_state, "recorder", None)
 
 
+def _stand_in(value: Any) -> Any:
+    """What a build needs of a tensor argument: Triton specializes a kernel on a pointer's
+    dtype and its 16-byte alignment, not on the data. A small tensor with both stands in,
+    so that a build in flight does not keep the recording run's (full-size) tensors
+    alive."""
+    if not isinstance(value, torch.Tensor) or value.data_ptr() % 16:
+        return value
+    return torch.empty(16, dtype=value.dtype, device=value.device)
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.jobs: list[Future] = []
-        self.submitted: set = set()  # (kernel, key, config): one build each
 
     def launch(self, tuned, grid, named: dict) -> None:
         """Called by TunedKernel.launch instead of launching: choose the config as the
@@ -59,18 +79,25 @@ class _Recorder:
         config = tuned._chosen.get(key)
         if config is None:
             config = tuned._choose(key, named, grid)
-        if (key, config) in tuned._verified or (id(tuned), key, config) in self.submitted:
+        if (key, config) in tuned._verified:
             return
-        self.submitted.add((id(tuned), key, config))
         device = next((v.device for v in named.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda), None)
+        stand_ins = {n: _stand_in(v) for n, v in named.items()}
 
         def build():
             # Worker threads start on device 0: compile for the inputs' device.
             with torch.cuda.device(device) if device is not None else nullcontext():
-                tuned._compile(config, grid, named)
+                tuned._compile(config, grid, stand_ins)
 
-        self.jobs.append(_executor().submit(build))
+        ident = (id(tuned), key, config, device)
+        pool = _executor()
+        with _lock:
+            job = _builds.get(ident)
+            if job is None:
+                job = _builds[ident] = pool.submit(build)
+        if job not in self.jobs:
+            self.jobs.append(job)
 
     def wait(self) -> None:
         for job in self.jobs:
@@ -79,6 +106,28 @@ class _Recorder:
             except Exception:  # noqa: BLE001 - the real launch rebuilds and reports
                 pass
         self.jobs.clear()
+
+
+class _Skipper:
+    """A recorder that drops every launch: see :func:`launches_skipped`."""
+
+    def launch(self, tuned, grid, named: dict) -> None:
+        return None
+
+
+@contextmanager
+def launches_skipped():
+    """Within this context, kernel launches through the tuning layer do nothing.
+
+    A step run this way still allocates its outputs with the shapes, dtypes and strides
+    of a real run: over FakeTensors that is a custom op's fake implementation, derived
+    from the step itself (:mod:`fla.utils.custom_ops`)."""
+    previous = recording()
+    _state.recorder = _Skipper()
+    try:
+        yield
+    finally:
+        _state.recorder = previous
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -121,6 +170,28 @@ def _enabled(args) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
+def follow(label: str, next_label: str, next_step: Callable,
+           args_of: Callable[[tuple, Any], tuple]) -> None:
+    """Declare that the step ``label`` is followed by ``next_step`` (a forward by its
+    backward): when ``label`` records its launches, ``next_step(*args_of(args, outputs))``
+    is recorded right after it (on the recording run's outputs, in the shapes the real
+    ones will have), and its kernels compile in the pool while the first step and
+    whatever follows it run. ``next_step``'s own first call then only waits for the
+    builds still in flight."""
+    _followers[label] = (next_label, next_step, args_of)
+
+
+def _record(step: Callable, args: tuple, recorder: _Recorder) -> Any:
+    _state.recorder = recorder
+    try:
+        with torch.no_grad():
+            return step(*args)
+    except Exception:  # noqa: BLE001 - garbage-in host logic: the real run decides
+        return None
+    finally:
+        _state.recorder = None
+
+
 def run(label: str, step: Callable, *args: Any) -> Any:
     """``step(*args)``; at the first call with these argument types and shapes (per
     ``label``), its kernels are compiled in parallel first (see the module's doc)."""
@@ -133,17 +204,24 @@ def run(label: str, step: Callable, *args: Any) -> Any:
         if first:
             if len(_seen) >= _SEEN_LIMIT:
                 _seen.clear()
+                _builds.clear()
             _seen.add(key)
     if first:
         recorder = _Recorder()
-        _state.recorder = recorder
-        try:
-            with torch.no_grad():
-                step(*args)
-        except Exception:  # noqa: BLE001 - garbage-in host logic: the real run decides
-            pass
-        finally:
-            _state.recorder = None
+        outputs = _record(step, args, recorder)
+        follower = _followers.get(label)
+        # Only a step whose inputs carry gradients will be followed by its backward.
+        wants_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if follower is not None and outputs is not None and wants_grad:
+            _, next_step, args_of = follower
+            try:
+                next_args = args_of(args, outputs)
+            except Exception:  # noqa: BLE001 - the follower records at its own call
+                next_args = None
+            if next_args is not None:
+                _record(next_step, next_args, _Recorder())  # not waited for here
+            del next_args
+        del outputs
         recorder.wait()
         del recorder  # nothing of the recording run may stay allocated during the real one
     return step(*args)

@@ -24,6 +24,7 @@ def compiled(monkeypatch):
     names: list[str] = []
     monkeypatch.setattr(compile_ahead, "_enabled", lambda args: True)
     monkeypatch.setattr(compile_ahead, "_seen", set())
+    monkeypatch.setattr(compile_ahead, "_builds", {})
     monkeypatch.setattr(TunedKernel, "_compile",
                         lambda self, config, grid, named: names.append(self.name))
     for kernel in [obj for obj in gc.get_objects() if type(obj) is TunedKernel]:
@@ -62,3 +63,28 @@ def test_records_every_kernel_once_and_changes_nothing(compiled, seed, monkeypat
 
 def test_off_without_cuda_tensors():
     assert not compile_ahead._enabled((torch.zeros(2),))
+
+
+def test_first_forward_prefetches_the_backward(compiled, seed):
+    """A forward whose inputs need gradients records its backward's kernels too (they
+    build while the forward runs); the backward then adds nothing. Without gradients,
+    nothing of the backward is built."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = generator(seed)
+    x = dict(q=randn((1, 80, 2, 32), gen), k=randn((1, 80, 2, 32), gen, scale=32 ** -0.5),
+             v=randn((1, 80, 2, 32), gen), g=log_gate((1, 80, 2), gen),
+             beta=torch.rand(1, 80, 2, generator=gen))
+    with torch.no_grad():
+        chunk_gated_delta_rule(**x)
+    assert "chunk_bwd_dqkwg_kernel" not in {n.rsplit(".", 1)[-1] for n in compiled}
+    compiled.clear()
+    compile_ahead._seen.clear()
+    compile_ahead._builds.clear()
+    leaves = {n: t.requires_grad_() for n, t in x.items()}
+    o, _ = chunk_gated_delta_rule(**leaves)
+    after_forward = list(compiled)
+    assert {"chunk_bwd_dqkwg_kernel", "chunk_gated_delta_rule_bwd_dhu_kernel",
+            "prepare_wy_repr_bwd_kernel"} <= {n.rsplit(".", 1)[-1] for n in after_forward}
+    o.sum().backward()
+    assert compiled == after_forward

@@ -31,6 +31,7 @@ from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.l2norm import l2norm
 from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.backend import Backend, select_backend
 
 CHUNK_SIZE = 64
@@ -68,28 +69,65 @@ def _backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
             None if initial_state is None else dh0.to(initial_state.dtype))
 
 
-class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
+# The forward and backward steps as custom ops (torch.compile sees one node each), joined
+# by the autograd formula below. The forward also returns γ and Ai for the backward.
+_chunk_fwd = stage_op(
+    "chunk_gated_delta_rule_fwd", _forward, label="gated_delta_rule.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor beta, float scale, "
+           "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor)")
+_chunk_bwd = stage_op(
+    "chunk_gated_delta_rule_bwd", _backward, label="gated_delta_rule.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor beta, Tensor A, "
+           "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, "
+           "Tensor? dht, float scale, ScalarType? g_dtype) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices, offsets):
-        o, g_cum, A, final_state = compile_ahead.run(
-            "gated_delta_rule.fwd", _forward, q, k, v, g, beta, scale, initial_state,
-            output_final_state, cu_seqlens, chunk_indices, offsets)
-        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices)
-        ctx.scale = scale
-        ctx.g_dtype = None if g is None else g.dtype
-        return o, final_state
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        saved = ctx.saved_tensors
-        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-        dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("gated_delta_rule.bwd", _backward, *saved, do,
-                                   dht, ctx.scale, ctx.g_dtype),
-                None, None, None, None, None)
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
+        = inputs
+    _, g_cum, A, _ = output
+    ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, initial_state,
+                          cu_seqlens, chunk_indices)
+    ctx.scale = scale
+    ctx.g_dtype = None if g is None else g.dtype
+    ctx.output_final_state = output_final_state
+
+
+def _backward_formula(ctx, do, _dg_cum, _dA, dht):
+    saved = ctx.saved_tensors
+    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
+    # The final state's gradient exists only if the forward returned one.
+    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
+    return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
+            present(dh0, saved[6] is not None), None, None, None, None)
+
+
+_chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _backward_args(args, outputs):
+    """The backward step's arguments as the first backward will pass them (for its
+    compile-ahead prefetch during the first forward)."""
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
+        = args
+    o, g_cum, A, final_state = outputs
+    return (q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
+            torch.empty_like(o), final_state if output_final_state else None, scale,
+            None if g is None else g.dtype)
+
+
+compile_ahead.follow("gated_delta_rule.fwd", "gated_delta_rule.bwd", _backward, _backward_args)
+
+
+def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                  chunk_indices, offsets):
+    """The Triton path: ``(o, final_state)`` through the custom op."""
+    o, _, _, final_state = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
+                                      output_final_state, cu_seqlens, chunk_indices, offsets)
+    return o, present(final_state, output_final_state)
 
 
 def _chunk_torch(x: GatedDeltaInputs, output_final_state: bool):
@@ -123,9 +161,8 @@ def chunk_gated_delta_rule_on_inputs(x: GatedDeltaInputs, output_final_state: bo
         return _chunk_torch(x, output_final_state)
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
-    return ChunkGatedDeltaRuleFunction.apply(q, k, x.v, x.g, beta, x.initial_state, x.scale,
-                                             output_final_state, x.cu_seqlens, chunk_indices,
-                                             x.seq_offsets)
+    return _chunk_triton(q, k, x.v, x.g, beta, x.scale, x.initial_state, output_final_state,
+                         x.cu_seqlens, chunk_indices, x.seq_offsets)
 
 
 def chunk_gated_delta_rule(

@@ -25,6 +25,7 @@ from fla.ops.generalized_delta_rule.inputs import DPLRInputs
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.solve_tril import solve_tril_fwd
 from fla.utils import compile_ahead
+from fla.utils.custom_ops import present, stage_op
 
 
 def _forward(q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
@@ -38,45 +39,77 @@ def _forward(q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seq
     return o, ht, Aqk, Aqb, Aak, Ai, h, u
 
 
-class ChunkDPLRFunction(torch.autograd.Function):
-    """Autograd over the Triton stages; inputs validated, time-major, contiguous."""
+def _backward(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, do, dht, scale,
+              cu_seqlens, chunk_indices, offsets, N):
+    from fla.ops.generalized_delta_rule.chunk_backward import chunk_dplr_bwd
 
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices, offsets, N):
-        o, ht, Aqk, Aqb, Aak, Ai, h, u = compile_ahead.run(
-            "dplr.fwd", _forward, q, k, v, a, b, gk, initial_state, scale, output_final_state,
-            cu_seqlens, chunk_indices, offsets, N, True)
-        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
-                              cu_seqlens, chunk_indices)
-        ctx.scale, ctx.offsets, ctx.N = scale, offsets, N
-        ctx.set_materialize_grads(False)
-        return o, ht
+    return chunk_dplr_bwd(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, do,
+                          dht, scale, cu_seqlens, chunk_indices, offsets, N)
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        from fla.ops.generalized_delta_rule.chunk_backward import chunk_dplr_bwd
-        (q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, cu_seqlens,
-         chunk_indices) = ctx.saved_tensors
-        do = torch.zeros_like(v) if do is None else do.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        grads = compile_ahead.run(
-            "dplr.bwd", chunk_dplr_bwd, q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h,
-            u, ht, do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets, ctx.N)
-        return (*grads, None, None, None, None, None, None)
+
+# The forward and backward steps as custom ops joined by the autograd formula below. With
+# ``save`` the forward also returns the per-chunk states h and u for the backward.
+_chunk_fwd = stage_op(
+    "chunk_dplr_delta_rule_fwd", _forward, label="dplr.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor gk, "
+           "Tensor? initial_state, float scale, bool output_final_state, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, int[]? offsets, int N, bool save) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_chunk_bwd = stage_op(
+    "chunk_dplr_delta_rule_bwd", _backward, label="dplr.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor gk, "
+           "Tensor? initial_state, Tensor Aqk, Tensor Aqb, Tensor Aak, Tensor Ai, Tensor h, "
+           "Tensor u, Tensor? ht, Tensor do, Tensor? dht, float scale, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, int[]? offsets, int N) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
+     offsets, N, _) = inputs
+    _, ht, Aqk, Aqb, Aak, Ai, h, u = output
+    ctx.save_for_backward(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u,
+                          present(ht, output_final_state), cu_seqlens, chunk_indices)
+    ctx.scale, ctx.offsets, ctx.N = scale, offsets, N
+    ctx.output_final_state = output_final_state
+
+
+def _backward_formula(ctx, do, dht, *_):
+    (q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, cu_seqlens,
+     chunk_indices) = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    # The final state's gradient exists only if the forward returned one.
+    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    *grads, dh0 = _chunk_bwd(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
+                             do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets, ctx.N)
+    return (*grads, present(dh0, initial_state is not None), None, None, None, None, None,
+            None, None)
+
+
+_chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _backward_args(args, outputs):
+    """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
+    (q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
+     offsets, N, save) = args
+    o, ht, Aqk, Aqb, Aak, Ai, h, u = outputs
+    if not save:
+        return None
+    return (q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, torch.empty_like(o),
+            ht if output_final_state else None, scale, cu_seqlens, chunk_indices, offsets, N)
+
+
+compile_ahead.follow("dplr.fwd", "dplr.bwd", _backward, _backward_args)
 
 
 def chunk_dplr_triton(x: DPLRInputs, output_final_state: bool):
     """Validated inputs -> time-major ``(o, final_state)`` through the Triton stages."""
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
-    needs_grad = torch.is_grad_enabled() and any(
+    # h and u ([NT, H, K, V] and [B, T, H, V]) are kept only when a backward will need them.
+    save = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (*x.tensors(), x.initial_state))
-    if needs_grad:
-        return ChunkDPLRFunction.apply(*x.tensors(), x.initial_state, x.scale,
-                                       output_final_state, x.cu_seqlens, chunk_indices,
-                                       x.seq_offsets, x.N)
-    o, ht, *_ = compile_ahead.run(
-        "dplr.fwd", _forward, *x.tensors(), x.initial_state, x.scale, output_final_state,
-        x.cu_seqlens, chunk_indices, x.seq_offsets, x.N, False)
-    return o, ht
+    o, ht, *_ = _chunk_fwd(*x.tensors(), x.initial_state, x.scale, output_final_state,
+                           x.cu_seqlens, chunk_indices, x.seq_offsets, x.N, save)
+    return o, present(ht, output_final_state)

@@ -27,6 +27,7 @@ from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import chunk_gla_torch
 from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
 from fla.utils import compile_ahead
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_gla", "chunk_gla_on_inputs"]
@@ -60,29 +61,57 @@ def _backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
             None if initial_state is None else dh0.to(initial_state.dtype))
 
 
-class ChunkGLAFunction(torch.autograd.Function):
-    """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
+# The forward and backward steps as custom ops joined by the autograd formula below; the
+# forward also returns γ and A (64 values a token and head); h (K·V/64 a token) is
+# recomputed in the backward.
+_chunk_fwd = stage_op(
+    "chunk_gla_fwd", _forward, label="gla.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor? initial_state, "
+           "float scale, bool output_final_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
+           "Tensor? chunk_offsets, bool exclusive, ScalarType out_dtype) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+_chunk_bwd = stage_op(
+    "chunk_gla_bwd", _backward, label="gla.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor g_cum, Tensor A, "
+           "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
+           "Tensor? chunk_offsets, Tensor do, Tensor? dht, float scale, bool exclusive) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices, chunk_offsets, exclusive, out_dtype):
-        o, final_state, g_cum, A = compile_ahead.run(
-            "gla.fwd", _forward, q, k, v, g, u, initial_state, scale, output_final_state,
-            cu_seqlens, chunk_indices, chunk_offsets, exclusive, out_dtype)
-        # γ and A (64 values a token and head) are kept; h (K·V/64 a token) is recomputed.
-        ctx.save_for_backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens,
-                              chunk_indices, chunk_offsets)
-        ctx.scale, ctx.exclusive = scale, exclusive
-        return o, final_state
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        saved = ctx.saved_tensors
-        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-        dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("gla.bwd", _backward, *saved, do, dht,
-                                   ctx.scale, ctx.exclusive),
-                None, None, None, None, None, None, None)
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
+     chunk_offsets, exclusive, _) = inputs
+    _, _, g_cum, A = output
+    ctx.save_for_backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
+                          chunk_offsets)
+    ctx.scale, ctx.exclusive = scale, exclusive
+    ctx.output_final_state = output_final_state
+
+
+def _backward_formula(ctx, do, dht, _dg_cum, _dA):
+    saved = ctx.saved_tensors
+    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
+    # The final state's gradient exists only if the forward returned one.
+    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    dq, dk, dv, dg, du, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.exclusive)
+    return (dq, dk, dv, dg, present(du, saved[4] is not None),
+            present(dh0, saved[7] is not None), None, None, None, None, None, None, None)
+
+
+_chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _backward_args(args, outputs):
+    """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
+    (q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
+     chunk_offsets, exclusive, _) = args
+    o, final_state, g_cum, A = outputs
+    return (q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+            torch.empty_like(o), final_state if output_final_state else None,
+            scale, exclusive)
+
+
+compile_ahead.follow("gla.fwd", "gla.bwd", _backward, _backward_args)
 
 
 def with_bonus(x: GLAInputs, o_state: torch.Tensor) -> torch.Tensor:
@@ -112,9 +141,10 @@ def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool 
                                               cu_seqlens_cpu=x.seq_offsets)
         chunk_offsets = varlen_chunk_offsets(x.cu_seqlens, CHUNK_SIZE, x.seq_offsets)
     u = x.u.contiguous() if exclusive and x.u is not None else None
-    return ChunkGLAFunction.apply(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
-                                  output_final_state, x.cu_seqlens, chunk_indices,
-                                  chunk_offsets, exclusive, out_dtype)
+    o, final_state, _, _ = _chunk_fwd(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
+                                      output_final_state, x.cu_seqlens, chunk_indices,
+                                      chunk_offsets, exclusive, out_dtype)
+    return o, present(final_state, output_final_state)
 
 
 def chunk_gla(

@@ -27,6 +27,7 @@ from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.utils import compile_ahead
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_simple_gla"]
@@ -62,30 +63,54 @@ def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do,
     return dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype)
 
 
-class ChunkSimpleGLAFunction(torch.autograd.Function):
-    """Autograd over the Triton stages; inputs are validated, time-major, contiguous."""
+# The forward and backward steps as custom ops joined by the autograd formula below; the
+# forward also returns γ and Aqk (64 values a token and head), which the reverse state
+# pass turns into dv_local without recomputing Q Kᵀ.
+_chunk_fwd = stage_op(
+    "chunk_simple_gla_fwd", _forward, label="simple_gla.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? initial_state, float scale, "
+           "bool output_final_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
+           "int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor)")
+_chunk_bwd = stage_op(
+    "chunk_simple_gla_bwd", _backward, label="simple_gla.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor Aqk, Tensor? initial_state, "
+           "Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, Tensor? dht, float scale, "
+           "ScalarType? g_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens,
-                chunk_indices, offsets):
-        o, final_state, g_cum, Aqk = compile_ahead.run(
-            "simple_gla.fwd", _forward, q, k, v, g, initial_state, scale, output_final_state,
-            cu_seqlens, chunk_indices, offsets)
-        # Aqk (64 values a token and head) is kept: the reverse state pass turns it into
-        # dv_local without recomputing Q Kᵀ.
-        ctx.save_for_backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices)
-        ctx.scale = scale
-        ctx.g_dtype = None if g is None else g.dtype
-        return o, final_state
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        saved = ctx.saved_tensors
-        do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-        dht = None if dht is None else dht.contiguous()
-        return (*compile_ahead.run("simple_gla.bwd", _backward, *saved, do, dht,
-                                   ctx.scale, ctx.g_dtype),
-                None, None, None, None, None)
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices, _ = inputs
+    _, _, g_cum, Aqk = output
+    ctx.save_for_backward(q, k, v, present(g_cum, g is not None), Aqk, initial_state,
+                          cu_seqlens, chunk_indices)
+    ctx.scale = scale
+    ctx.g_dtype = None if g is None else g.dtype
+    ctx.output_final_state = output_final_state
+
+
+def _backward_formula(ctx, do, dht, _dg_cum, _dAqk):
+    saved = ctx.saved_tensors
+    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
+    # The final state's gradient exists only if the forward returned one.
+    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    dq, dk, dv, dg, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
+    return (dq, dk, dv, present(dg, ctx.g_dtype is not None),
+            present(dh0, saved[5] is not None), None, None, None, None, None)
+
+
+_chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _backward_args(args, outputs):
+    """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
+    q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices, _ = args
+    o, final_state, g_cum, Aqk = outputs
+    return (q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, torch.empty_like(o),
+            final_state if output_final_state else None, scale,
+            None if g is None else g.dtype)
+
+
+compile_ahead.follow("simple_gla.fwd", "simple_gla.bwd", _backward, _backward_args)
 
 
 def _chunk_torch(x: GatedDeltaInputs, output_final_state: bool):
@@ -112,9 +137,10 @@ def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
         return _chunk_torch(x, output_final_state)
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
-    return ChunkSimpleGLAFunction.apply(q, k, x.v, x.g, x.initial_state, x.scale,
-                                        output_final_state, x.cu_seqlens, chunk_indices,
-                                        x.seq_offsets)
+    o, final_state, _, _ = _chunk_fwd(q, k, x.v, x.g, x.initial_state, x.scale,
+                                      output_final_state, x.cu_seqlens, chunk_indices,
+                                      x.seq_offsets)
+    return o, present(final_state, output_final_state)
 
 
 def chunk_simple_gla(
