@@ -14,7 +14,8 @@ library in its own process, as ``benchmarks/run_side.py`` does), on the same con
   transformers' ``generate()``; ``decode_graph`` (ours only) is :func:`fla.models.decode`,
   whose steps replay a CUDA graph.
 
-``--tiny`` shrinks everything for a CPU smoke test of the script itself.
+``--profile`` adds the per-kernel GPU time of one training step (torch.profiler), to
+compare where ours and the reference spend a step. ``--tiny`` shrinks everything for a CPU smoke test of the script itself.
 
 The reference library refuses its gated backward on Hopper with Triton 3.4-3.7.0; when
 the imported ``fla`` is not this checkout's, its check is switched off (as
@@ -74,6 +75,47 @@ def train_tokens_per_s(net, device: str, batch: int, length: int, steps: int) ->
             "peak_mib": peak}
 
 
+def profile_train_step(net, device: str, batch: int, length: int, top: int = 30) -> dict:
+    """Per-kernel GPU time of one training step (torch.profiler over 2 steps after the
+    timed ones), kernels grouped by name, longest first; printed as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = net.config.vocab_size
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+
+    def step():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        sync(device)
+    rows = {}
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", None)
+        if cuda_us is None:
+            cuda_us = getattr(event, "cuda_time_total", 0)
+        if cuda_us and event.key:
+            total, count = rows.get(event.key, (0.0, 0))
+            rows[event.key] = (total + cuda_us / 2e3, count + event.count / 2)
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    total_ms = sum(ms for ms, _ in rows.values())
+    print(f"kernels of one step: {total_ms:.1f} ms in all")
+    print("| ms/step | launches/step | kernel |")
+    print("| --- | --- | --- |")
+    for name, (ms, count) in ranked[:top]:
+        print(f"| {ms:.2f} | {count:g} | {name[:110]} |")
+    return {"kernel_ms_per_step": total_ms,
+            "top_kernels": [[name[:110], round(ms, 3)] for name, (ms, _) in ranked[:top]]}
+
+
 def decode_tokens_per_s(net, device: str, batch: int, new_tokens: int,
                         graph: bool = False) -> dict:
     """``generate()`` (or, with ``graph``, this library's :func:`fla.models.decode`, whose
@@ -110,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", help="append one JSON line per measurement")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test of the script")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the per-kernel GPU time of one training step")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     import pathlib
@@ -145,6 +189,9 @@ def main(argv=None) -> int:
         batch, length = (2, 64) if args.tiny else (4, 4096)
         measure({"what": "train", "batch": batch, "length": length}, train_tokens_per_s,
                 net, device, batch, length, 2 if args.tiny else args.steps)
+        if args.profile and device == "cuda":
+            measure({"what": "train_profile", "batch": batch, "length": length},
+                    profile_train_step, net, device, batch, length)
     if "decode" in args.what:
         # Decoding with bf16 weights (no autocast: the usual way to serve a model, and the
         # captured step would otherwise re-cast every weight at each token).

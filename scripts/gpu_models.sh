@@ -15,10 +15,13 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 WHAT="${WHAT:-decode train}"
+# MODEL_ARGS="--profile": also the per-kernel GPU time of a training step, both sides.
+MODEL_ARGS="${MODEL_ARGS:-}"
+TAIL="${TAIL:-20}"
 
 echo "== ours"
 PYTHONPATH="$REPO" timeout -k 10 "${OURS_TIMEOUT:-200}" python3 -m benchmarks.model_throughput \
-    --what $WHAT --out "$OUT/models.jsonl" 2>&1 | tail -n 20
+    --what $WHAT $MODEL_ARGS --out "$OUT/models.jsonl" 2>&1 | tail -n "$TAIL"
 
 echo "== reference"
 REF_SITE=/tmp/ref-site HARNESS=/tmp/models-harness
@@ -33,7 +36,7 @@ for what in $WHAT; do
     [ "$what" = train ] && limit="${REF_TIMEOUT:-360}" || limit="${REF_DECODE_TIMEOUT:-150}"
     ( cd "$HARNESS" && TRITON_CACHE_DIR="$REF_CACHE" PYTHONPATH="$REF_SITE:$HARNESS" \
         timeout -k 10 "$limit" python3 -m benchmarks.model_throughput \
-        --what "$what" --out "$OUT/models.jsonl" ) 2>&1 | tail -n 20
+        --what "$what" $MODEL_ARGS --out "$OUT/models.jsonl" ) 2>&1 | tail -n "$TAIL"
 done
 ( cd "$REF_CACHE" && find . -name '*.autotune.json' -print0 \
     | tar czf "$OUT/ref-autotune.tgz" --null -T - )

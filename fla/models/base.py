@@ -32,6 +32,17 @@ __all__ = ["FLAConfig", "FLABlock", "FLAPreTrainedModel", "FLAModel", "FLAForCau
 _TRANSFORMERS_V5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def _autocast_once(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, x in the autocast dtype: one cast for all of the mixer's
+    projections. The residual stream, and so the norm's output, is float32; autocast
+    would cast it again for every Linear that reads it (four to six in a mixer) and sum
+    their input gradients in float32."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 class FLABlock(nn.Module):
     """``x + mixer(norm(x))``, then ``x + mlp(norm(x))`` (the second norm adds the
     residual in the same kernel).
@@ -55,7 +66,7 @@ class FLABlock(nn.Module):
                 output_attentions: bool = False, cu_seqlens: torch.Tensor | None = None,
                 shared_state: dict | None = None):
         residual = hidden_states
-        hidden_states = self.attn_norm(hidden_states)
+        hidden_states = _autocast_once(self.attn_norm(hidden_states))
         context = dict(attention_mask=attention_mask, past_key_values=past_key_values,
                        use_cache=use_cache, cu_seqlens=cu_seqlens, shared_state=shared_state)
         hidden_states, attentions, past_key_values = self.attn(

@@ -46,9 +46,10 @@ RECURRENT = [name for name in LAYERS if not name.startswith("attention")]
 
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
-    # The PyTorch path on CPU tensors (conftest turns on the Triton interpreter, far too
-    # slow for whole layers); CUDA tensors still run the kernels.
-    monkeypatch.setenv("FLA_BACKEND", "torch")
+    # CPU tensors take the PyTorch path (conftest turns on the Triton interpreter where
+    # there is no GPU, far too slow for whole layers); CUDA tensors run the kernels.
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("FLA_BACKEND", "torch")
 
 
 def make(name: str, mode: str = "chunk", seed: int = 0) -> torch.nn.Module:

@@ -50,8 +50,10 @@ RECURRENT = [name for name in CONFIGS if name != "transformer"]
 
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
-    # The PyTorch path on CPU tensors (see tests/layers/test_layers.py).
-    monkeypatch.setenv("FLA_BACKEND", "torch")
+    # The PyTorch path on CPU tensors (see tests/layers/test_layers.py); CUDA tensors run
+    # the kernels.
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("FLA_BACKEND", "torch")
 
 
 def make(name: str, seed: int = 0, **kw):

@@ -32,30 +32,30 @@ def compiled(monkeypatch):
     return names
 
 
-def _gdn(gen, T=100):
+def _gdn(gen, device, T=100):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     leaves = dict(q=randn((1, T, 2, 32), gen), k=randn((1, T, 2, 32), gen, scale=32 ** -0.5),
                   v=randn((1, T, 2, 32), gen), g=log_gate((1, T, 2), gen),
                   beta=torch.rand(1, T, 2, generator=gen),
                   initial_state=randn((1, 2, 32, 32), gen))
-    leaves = {n: x.requires_grad_() for n, x in leaves.items()}
+    leaves = {n: x.to(device).requires_grad_() for n, x in leaves.items()}
     o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
     (o.sum() + ht.sum()).backward()
     return o.detach(), ht.detach(), {n: x.grad for n, x in leaves.items()}
 
 
-def test_records_every_kernel_once_and_changes_nothing(compiled, seed, monkeypatch):
-    ahead = _gdn(generator(seed))
+def test_records_every_kernel_once_and_changes_nothing(compiled, seed, device, monkeypatch):
+    ahead = _gdn(generator(seed), device)
     kernels = {name.rsplit(".", 1)[-1] for name in compiled}
     assert {"chunk_gated_delta_rule_fwd_intra_kernel", "chunk_gated_delta_rule_fwd_inter_kernel",
             "chunk_gated_delta_rule_bwd_dhu_kernel", "chunk_bwd_dqkwg_kernel",
             "prepare_wy_repr_bwd_kernel"} <= kernels, kernels
     count = len(compiled)
-    _gdn(generator(seed))  # the same types and sizes: nothing new to compile
+    _gdn(generator(seed), device)  # the same types and sizes: nothing new to compile
     assert len(compiled) == count
     monkeypatch.setattr(compile_ahead, "_enabled", lambda args: False)
-    plain = _gdn(generator(seed))
+    plain = _gdn(generator(seed), device)
     assert torch.equal(ahead[0], plain[0]) and torch.equal(ahead[1], plain[1])
     for name, grad in plain[2].items():
         assert torch.equal(ahead[2][name], grad), name
@@ -65,7 +65,7 @@ def test_off_without_cuda_tensors():
     assert not compile_ahead._enabled((torch.zeros(2),))
 
 
-def test_first_forward_prefetches_the_backward(compiled, seed):
+def test_first_forward_prefetches_the_backward(compiled, seed, device):
     """A forward whose inputs need gradients records its backward's kernels too (they
     build while the forward runs); the backward then adds nothing. Without gradients,
     nothing of the backward is built."""
@@ -75,6 +75,7 @@ def test_first_forward_prefetches_the_backward(compiled, seed):
     x = dict(q=randn((1, 80, 2, 32), gen), k=randn((1, 80, 2, 32), gen, scale=32 ** -0.5),
              v=randn((1, 80, 2, 32), gen), g=log_gate((1, 80, 2), gen),
              beta=torch.rand(1, 80, 2, generator=gen))
+    x = {n: t.to(device) for n, t in x.items()}
     with torch.no_grad():
         chunk_gated_delta_rule(**x)
     assert "chunk_bwd_dqkwg_kernel" not in {n.rsplit(".", 1)[-1] for n in compiled}

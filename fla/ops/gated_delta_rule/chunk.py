@@ -28,6 +28,7 @@ from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices
+from fla.modules.l2norm import l2norm as fused_l2norm
 from fla.ops.utils.l2norm import l2norm
 from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
@@ -148,16 +149,20 @@ def chunk_gated_delta_rule_on_inputs(x: GatedDeltaInputs, output_final_state: bo
     """Run validated inputs (see :func:`prepare_gated_delta_inputs`) through the chunked
     algorithm; returns time-major ``(o, final_state)``."""
     q, k = x.q, x.k
+    triton_path = select_backend(x.q, x.v) is Backend.TRITON
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        # Kernels: the fused row norm (one pass each way over q and k, where the tensor
+        # algebra of the PyTorch path makes ~8 passes forward and ~12 backward).
+        norm = fused_l2norm if triton_path else l2norm
+        q, k = norm(q), norm(k)
     if x.HV != x.H:
         # Grouped value heads: each q/k head serves HV // H value heads. The chunk stages
         # work on matched heads, so q and k are repeated (autograd sums their gradients).
         q = q.repeat_interleave(x.HV // x.H, dim=2)
         k = k.repeat_interleave(x.HV // x.H, dim=2)
     beta = x.beta if x.beta is not None else torch.ones_like(x.v[..., 0])
-    x = GatedDeltaInputs(**{**x.__dict__, "q": q, "k": k, "beta": beta})
-    if select_backend(x.q, x.v) is Backend.TORCH:
+    x = x.with_tensors(q, k, beta)
+    if not triton_path:
         return _chunk_torch(x, output_final_state)
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))

@@ -48,6 +48,15 @@ class GatedDeltaInputs:
     V: int
     N: int
 
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor,
+                     beta: torch.Tensor | None) -> "GatedDeltaInputs":
+        """A copy with q, k and beta replaced (field by field: ``torch.compile`` traces
+        this on every supported torch, unlike ``__dict__`` or ``dataclasses.replace``)."""
+        return GatedDeltaInputs(
+            q=q, k=k, v=self.v, g=self.g, beta=beta, initial_state=self.initial_state,
+            scale=self.scale, cu_seqlens=self.cu_seqlens, seq_offsets=self.seq_offsets,
+            B=self.B, T=self.T, H=self.H, HV=self.HV, K=self.K, V=self.V, N=self.N)
+
 
 
 

@@ -132,7 +132,7 @@ def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
         # Grouped value heads: each q/k head serves HV // H value heads (autograd sums).
         q = q.repeat_interleave(x.HV // x.H, dim=2)
         k = k.repeat_interleave(x.HV // x.H, dim=2)
-    x = GatedDeltaInputs(**{**x.__dict__, "q": q, "k": k})
+    x = x.with_tensors(q, k, x.beta)
     if select_backend(x.q, x.v) is Backend.TORCH:
         return _chunk_torch(x, output_final_state)
     chunk_indices = (None if x.cu_seqlens is None else
