@@ -68,6 +68,7 @@ from fla.ops.common.fused_recurrent_tiles import (
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.tuning import tuned
 
 # The forward also tries V tiles of 128 (the other families stop at 64).
@@ -427,30 +428,66 @@ def fused_recurrent_gated_delta_rule_bwd(
     return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0
 
 
-class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
-    """Autograd over the fused kernels (inputs already validated and time-major)."""
+# The forward and backward launchers as custom ops (torch.compile sees one node each, and
+# a decode step can be captured in a CUDA graph), joined by the autograd formula below.
+# The forward's third output is u, saved for the backward (a placeholder without save_u).
+_fused_fwd = stage_op(
+    "fused_recurrent_gated_delta_rule_fwd", fused_recurrent_gated_delta_rule_fwd,
+    label="fused_recurrent_gated_delta_rule.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, float scale, "
+           "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, int N, "
+           "bool use_qk_l2norm, bool save_u, bool delta) -> (Tensor, Tensor, Tensor)")
+_fused_bwd = stage_op(
+    "fused_recurrent_gated_delta_rule_bwd", fused_recurrent_gated_delta_rule_bwd,
+    label="fused_recurrent_gated_delta_rule.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? u, float scale, "
+           "Tensor? initial_state, Tensor do, Tensor? dht, Tensor? ht, Tensor? cu_seqlens, "
+           "int N, bool use_qk_l2norm, bool need_dh0, bool delta) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                N, use_qk_l2norm, delta=True):
-        o, ht, u = fused_recurrent_gated_delta_rule_fwd(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, N,
-            use_qk_l2norm, save_u=True, delta=delta)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, u, ht, cu_seqlens)
-        ctx.scale, ctx.N, ctx.use_qk_l2norm, ctx.delta = scale, N, use_qk_l2norm, delta
-        ctx.set_materialize_grads(False)
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, u, ht, cu_seqlens = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, dbeta, dh0 = fused_recurrent_gated_delta_rule_bwd(
-            q, k, v, g, beta, u, ctx.scale, initial_state, do.contiguous(),
-            None if dht is None else dht.contiguous(), ht, cu_seqlens, ctx.N,
-            ctx.use_qk_l2norm, need_dh0=ctx.needs_input_grad[5], delta=ctx.delta)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, N,
+     use_qk_l2norm, _, delta) = inputs
+    _, ht, u = output
+    ctx.save_for_backward(q, k, v, g, beta, present(u, delta), initial_state,
+                          present(ht, output_final_state), cu_seqlens)
+    ctx.scale, ctx.N, ctx.use_qk_l2norm, ctx.delta = scale, N, use_qk_l2norm, delta
+
+
+def _backward_formula(ctx, do, dht, _du):
+    q, k, v, g, beta, u, initial_state, ht, cu_seqlens = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    # The final state's gradient exists only if the forward returned one (else the
+    # gradient of a placeholder).
+    dht = dht.contiguous() if ht is not None and dht is not None else None
+    dq, dk, dv, dg, dbeta, dh0 = _fused_bwd(
+        q, k, v, g, beta, u, ctx.scale, initial_state, do, dht, ht, cu_seqlens, ctx.N,
+        ctx.use_qk_l2norm, ctx.needs_input_grad[6], ctx.delta)
+    return (dq, dk, dv, present(dg, g is not None), present(dbeta, beta is not None), None,
+            present(dh0, initial_state is not None and ctx.needs_input_grad[6]),
+            None, None, None, None, None, None)
+
+
+_fused_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def fused_recurrent_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+    beta: torch.Tensor | None, scale: float, initial_state: torch.Tensor | None,
+    output_final_state: bool, cu_seqlens: torch.Tensor | None, N: int,
+    use_qk_l2norm: bool = False, delta: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Triton path through the custom op: ``(o, final_state)`` from validated,
+    time-major inputs (shapes as :func:`fused_recurrent_gated_delta_rule_fwd`).
+
+    u is saved only when a gradient will be taken: decoding is one kernel launch that
+    writes o and the final state, nothing else."""
+    save_u = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    o, ht, _ = _fused_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens, N, use_qk_l2norm, save_u, delta)
+    return o, present(ht, output_final_state)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -499,15 +536,8 @@ def fused_recurrent_gated_delta_rule(
         o, final_state = recurrent_gated_delta_rule_torch(
             x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, output_final_state,
             x.seq_offsets, use_qk_l2norm_in_kernel)
-    elif torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (x.q, x.k, x.v, x.g, x.beta, x.initial_state)):
-        o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(
-            x.q, x.k, x.v, x.g, x.beta, x.initial_state, x.scale, output_final_state,
-            x.cu_seqlens, x.N, use_qk_l2norm_in_kernel)
     else:
-        # Inference: one kernel launch, nothing saved for a backward.
-        o, final_state, _ = fused_recurrent_gated_delta_rule_fwd(
+        o, final_state = fused_recurrent_triton(
             x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, output_final_state,
             x.cu_seqlens, x.N, use_qk_l2norm_in_kernel)
     if head_first:

@@ -43,6 +43,7 @@ from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
 from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.tuning import tuned
 
 
@@ -212,27 +213,46 @@ def fused_recurrent_dplr_bwd(q, k, v, a, b, gk, s, scale, initial_state, do, dht
     return (dq.to(q.dtype), dk.to(k.dtype), dv, da.to(a.dtype), db.to(b.dtype), dgk, dh0)
 
 
-class FusedRecurrentDPLRFunction(torch.autograd.Function):
-    """Autograd over the fused kernels (inputs validated, time-major, contiguous)."""
+# The forward and backward launchers as custom ops (one node each under torch.compile; a
+# decode step can be captured in a CUDA graph), joined by the autograd formula below.
+# The forward's third output is s, saved for the backward (a placeholder without save_s).
+_fused_fwd = stage_op(
+    "fused_recurrent_dplr_delta_rule_fwd", fused_recurrent_dplr_fwd,
+    label="fused_recurrent_dplr.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor gk, float scale, "
+           "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, int N, "
+           "bool save_s) -> (Tensor, Tensor, Tensor)")
+_fused_bwd = stage_op(
+    "fused_recurrent_dplr_delta_rule_bwd", fused_recurrent_dplr_bwd,
+    label="fused_recurrent_dplr.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor gk, Tensor s, "
+           "float scale, Tensor? initial_state, Tensor do, Tensor? dht, Tensor? ht, "
+           "Tensor? cu_seqlens, int N, bool need_dh0) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens, N):
-        o, ht, s = fused_recurrent_dplr_fwd(q, k, v, a, b, gk, scale, initial_state,
-                                            output_final_state, cu_seqlens, N, save_s=True)
-        ctx.save_for_backward(q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens)
-        ctx.scale, ctx.N = scale, N
-        ctx.set_materialize_grads(False)
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens = ctx.saved_tensors
-        do = torch.zeros_like(v) if do is None else do.contiguous()
-        grads = fused_recurrent_dplr_bwd(
-            q, k, v, a, b, gk, s, ctx.scale, initial_state, do,
-            None if dht is None else dht.contiguous(), ht, cu_seqlens, ctx.N,
-            need_dh0=ctx.needs_input_grad[6])
-        return (*grads, None, None, None, None)
+def _setup_context(ctx, inputs, output):
+    q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, N, _ = inputs
+    _, ht, s = output
+    ctx.save_for_backward(q, k, v, a, b, gk, s, initial_state,
+                          present(ht, output_final_state), cu_seqlens)
+    ctx.scale, ctx.N = scale, N
+
+
+def _backward_formula(ctx, do, dht, _ds):
+    q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    # The final state's gradient exists only if the forward returned one (else the
+    # gradient of a placeholder).
+    dht = dht.contiguous() if ht is not None and dht is not None else None
+    need_dh0 = ctx.needs_input_grad[7]
+    *grads, dh0 = _fused_bwd(q, k, v, a, b, gk, s, ctx.scale, initial_state, do, dht, ht,
+                             cu_seqlens, ctx.N, need_dh0)
+    return (*grads, None, present(dh0, initial_state is not None and need_dh0),
+            None, None, None, None)
+
+
+_fused_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def fused_recurrent_dplr_delta_rule(
@@ -282,10 +302,10 @@ def fused_recurrent_dplr_on_inputs(x: DPLRInputs, output_final_state: bool):
     if select_backend(*x.tensors(), x.initial_state) is Backend.TORCH:
         return recurrent_dplr_torch(*x.tensors(), x.scale, x.initial_state,
                                     output_final_state, x.seq_offsets)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (*x.tensors(), x.initial_state)):
-        return FusedRecurrentDPLRFunction.apply(*x.tensors(), x.initial_state, x.scale,
-                                                output_final_state, x.cu_seqlens, x.N)
-    o, final_state, _ = fused_recurrent_dplr_fwd(*x.tensors(), x.scale, x.initial_state,
-                                                 output_final_state, x.cu_seqlens, x.N)
-    return o, final_state
+    # The Triton path, through the custom op; s is saved only when a gradient will be
+    # taken (decoding launches one kernel that writes o and the final state).
+    save_s = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                             for t in (*x.tensors(), x.initial_state))
+    o, final_state, _ = _fused_fwd(*x.tensors(), x.scale, x.initial_state, output_final_state,
+                                   x.cu_seqlens, x.N, save_s)
+    return o, present(final_state, output_final_state)

@@ -45,6 +45,7 @@ from fla.ops.common.fused_recurrent_tiles import (
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.tuning import tuned
 
 __all__ = ["fused_recurrent_gla", "fused_recurrent_gla_on_inputs"]
@@ -229,17 +230,23 @@ def fused_recurrent_gla_bwd_kernel(
             p_gv += H * V
 
 
-def _launch_fwd(x: GLAInputs, output_final_state: bool, exclusive: bool, out_dtype):
-    B, T, H, K = x.q.shape
-    V = x.V
-    o = torch.empty(B, T, H, V, dtype=out_dtype, device=x.v.device)
-    ht = (torch.empty(x.N, H, K, V, dtype=torch.float32, device=x.q.device)
-          if output_final_state else None)
-    fused_recurrent_gla_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), x.N * H)](
-        x.q, x.k, x.v, x.gk, x.gv, o, x.initial_state, ht, x.cu_seqlens, x.scale, T,
-        H=H, K=K, V=V, BK=_block_k(K), USE_GK=x.gk is not None, USE_GV=x.gv is not None,
-        USE_H0=x.initial_state is not None, STORE_HT=output_final_state,
-        IS_VARLEN=x.cu_seqlens is not None, EXCLUSIVE=exclusive)
+def _forward(q, k, v, gk, gv, scale, initial_state, store_final_state, cu_seqlens, offsets,
+             N, exclusive, out_dtype):
+    """Launch the forward on validated, contiguous, time-major inputs (q, k, gk
+    ``[B, T, H, K]``, v, gv ``[B, T, H, V]``, initial_state ``[N, H, K, V]``). Returns
+    ``(o [B, T, H, V] in out_dtype, final_state [N, H, K, V] float32 or None)``.
+    ``offsets`` (the host copy of cu_seqlens) is the backward's: an op input, so that
+    the autograd formula finds it."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=v.device)
+    ht = (torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+          if store_final_state else None)
+    fused_recurrent_gla_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
+        q, k, v, gk, gv, o, initial_state, ht, cu_seqlens, scale, T,
+        H=H, K=K, V=V, BK=_block_k(K), USE_GK=gk is not None, USE_GV=gv is not None,
+        USE_H0=initial_state is not None, STORE_HT=store_final_state,
+        IS_VARLEN=cu_seqlens is not None, EXCLUSIVE=exclusive)
     return o, ht
 
 
@@ -263,61 +270,94 @@ def add_at_last_tokens(x: torch.Tensor, value: torch.Tensor, offsets: list[int] 
     return x
 
 
-class FusedRecurrentGLAFunction(torch.autograd.Function):
-    """Autograd over the fused kernels; inputs validated, time-major, contiguous."""
+def _backward(q, k, v, gk, gv, scale, h0, ht, do, dht, cu_seqlens, offsets, N, exclusive):
+    """Gradients ``(dq, dk, dv, dgk, dgv, dh0)`` in the inputs' dtypes (None where the
+    input is None). ``ht`` is the forward's final state (needed with dht and a gate),
+    ``offsets`` the host copy of cu_seqlens."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _block_k(K), _bwd_block_v(K, V)
+    NV = triton.cdiv(V, BV)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = torch.empty(B, T, H, NV, K, **f32)
+    dk = torch.empty(B, T, H, NV, K, **f32)
+    dv = torch.empty(B, T, H, V, **f32)
+    dgv = torch.empty(B, T, H, V, **f32) if gv is not None else None
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    fused_recurrent_gla_bwd_kernel[(NV, N * H)](
+        q, k, v, gk, gv, h0, do, dht, dq, dk, dv, dgv, dh0, cu_seqlens, scale, T,
+        H=H, K=K, V=V, BK=BK, BV=BV, USE_GK=gk is not None, USE_GV=gv is not None,
+        USE_H0=h0 is not None, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
+        IS_VARLEN=cu_seqlens is not None, EXCLUSIVE=exclusive)
+    dq, dk = dq.sum(3), dk.sum(3)
+    dgk = None
+    if gk is not None:
+        q_term = q.float() * dq
+        dgk = q_term - k.float() * dk
+        if dht is not None:
+            add_at_last_tokens(dgk, (dht.float() * ht).sum(-1), offsets)
+        dgk = reverse_cumsum(dgk, offsets)
+        if exclusive:
+            dgk = dgk - q_term
+        dgk = dgk.to(gk.dtype)
+    if dgv is not None:
+        if dht is not None:
+            add_at_last_tokens(dgv, (dht.float() * ht).sum(-2), offsets)
+        dgv = reverse_cumsum(dgv, offsets).to(gv.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgk, dgv,
+            None if dh0 is None else dh0.to(h0.dtype))
 
-    @staticmethod
-    def forward(ctx, q, k, v, gk, gv, initial_state, x, output_final_state, exclusive,
-                out_dtype):
-        x = GLAInputs(**{**x.__dict__, "q": q, "k": k, "v": v, "gk": gk, "gv": gv,
-                         "initial_state": initial_state})
-        # The final state is also what the gate gradients need from the forward.
-        o, ht = _launch_fwd(x, output_final_state or gk is not None or gv is not None,
-                            exclusive, out_dtype)
-        ctx.save_for_backward(q, k, v, gk, gv, initial_state, ht)
-        ctx.x, ctx.exclusive = x, exclusive
-        ctx.set_materialize_grads(False)
-        return o, (ht if output_final_state else None)
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, gk, gv, h0, ht = ctx.saved_tensors
-        x, exclusive = ctx.x, ctx.exclusive
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        do = torch.zeros(B, T, H, V, dtype=torch.float32, device=v.device) if do is None \
-            else do.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        BK, BV = _block_k(K), _bwd_block_v(K, V)
-        NV = triton.cdiv(V, BV)
-        f32 = dict(dtype=torch.float32, device=q.device)
-        dq = torch.empty(B, T, H, NV, K, **f32)
-        dk = torch.empty(B, T, H, NV, K, **f32)
-        dv = torch.empty(B, T, H, V, **f32)
-        dgv = torch.empty(B, T, H, V, **f32) if gv is not None else None
-        dh0 = torch.empty(x.N, H, K, V, **f32) if h0 is not None else None
-        fused_recurrent_gla_bwd_kernel[(NV, x.N * H)](
-            q, k, v, gk, gv, h0, do, dht, dq, dk, dv, dgv, dh0, x.cu_seqlens, x.scale, T,
-            H=H, K=K, V=V, BK=BK, BV=BV, USE_GK=gk is not None, USE_GV=gv is not None,
-            USE_H0=h0 is not None, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
-            IS_VARLEN=x.cu_seqlens is not None, EXCLUSIVE=exclusive)
-        dq, dk = dq.sum(3), dk.sum(3)
-        dgk = None
-        if gk is not None:
-            q_term = q.float() * dq
-            dgk = q_term - k.float() * dk
-            if dht is not None:
-                add_at_last_tokens(dgk, (dht.float() * ht).sum(-1), x.seq_offsets)
-            dgk = reverse_cumsum(dgk, x.seq_offsets)
-            if exclusive:
-                dgk = dgk - q_term
-            dgk = dgk.to(gk.dtype)
-        if dgv is not None:
-            if dht is not None:
-                add_at_last_tokens(dgv, (dht.float() * ht).sum(-2), x.seq_offsets)
-            dgv = reverse_cumsum(dgv, x.seq_offsets).to(gv.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgk, dgv,
-                None if dh0 is None else dh0.to(h0.dtype), None, None, None, None)
+# The forward and backward steps as custom ops (one node each under torch.compile; a
+# decode step can be captured in a CUDA graph), joined by the autograd formula below.
+_fused_fwd = stage_op(
+    "fused_recurrent_gla_fwd", _forward, label="fused_recurrent_gla.fwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, float scale, "
+           "Tensor? initial_state, bool store_final_state, Tensor? cu_seqlens, int[]? offsets, "
+           "int N, bool exclusive, ScalarType out_dtype) -> (Tensor, Tensor)")
+_fused_bwd = stage_op(
+    "fused_recurrent_gla_bwd", _backward, label="fused_recurrent_gla.bwd",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, float scale, "
+           "Tensor? h0, Tensor? ht, Tensor do, Tensor? dht, Tensor? cu_seqlens, "
+           "int[]? offsets, int N, bool exclusive) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, gk, gv, scale, initial_state, store_final_state, cu_seqlens, offsets, N,
+     exclusive, _) = inputs
+    ctx.save_for_backward(q, k, v, gk, gv, initial_state, present(output[1], store_final_state),
+                          cu_seqlens)
+    ctx.scale, ctx.offsets, ctx.N, ctx.exclusive = scale, offsets, N, exclusive
+
+
+def _backward_formula(ctx, do, dht):
+    q, k, v, gk, gv, h0, ht, cu_seqlens = ctx.saved_tensors
+    do = torch.zeros(v.shape, dtype=torch.float32, device=v.device) if do is None \
+        else do.contiguous()
+    # No final state, no gradient for it (dht is then a placeholder's). A final state
+    # stored only for the gate gradients gets a zero dht: it adds nothing.
+    dht = dht.contiguous() if ht is not None and dht is not None else None
+    dq, dk, dv, dgk, dgv, dh0 = _fused_bwd(q, k, v, gk, gv, ctx.scale, h0, ht, do, dht,
+                                           cu_seqlens, ctx.offsets, ctx.N, ctx.exclusive)
+    return (dq, dk, dv, present(dgk, gk is not None), present(dgv, gv is not None),
+            None, present(dh0, h0 is not None), None, None, None, None, None, None)
+
+
+_fused_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _fused_triton(q, k, v, gk, gv, x: GLAInputs, output_final_state: bool, exclusive: bool,
+                  out_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Triton path through the custom op: ``(o, final_state)``; q, k, v, gk, gv
+    time-major (possibly flipped), the rest of the call from ``x``."""
+    train = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, gk, gv, x.initial_state))
+    # The final state is also what the gate gradients need from the forward.
+    store = output_final_state or (train and (gk is not None or gv is not None))
+    o, ht = _fused_fwd(q, k, v, gk, gv, x.scale, x.initial_state, store, x.cu_seqlens,
+                       x.seq_offsets, x.N, exclusive, out_dtype)
+    return o, present(ht, output_final_state)
 
 
 def _flip_per_sequence(x: torch.Tensor | None, offsets: list[int] | None, T: int):
@@ -335,20 +375,15 @@ def fused_recurrent_gla_on_inputs(x: GLAInputs, output_final_state: bool, revers
     """Run validated inputs through the recurrence (state part; ``exclusive``: read
     S_{t-1}); returns time-major ``(o, final_state)``, o in ``out_dtype`` (v's)."""
     out_dtype = x.v.dtype if out_dtype is None else out_dtype
+    q, k, v, gk, gv = x.q, x.k, x.v, x.gk, x.gv
     if reverse:
-        flip = [_flip_per_sequence(t, x.seq_offsets, x.T) for t in (x.q, x.k, x.v, x.gk, x.gv)]
-        x = GLAInputs(**{**x.__dict__, **dict(zip(("q", "k", "v", "gk", "gv"), flip))})
-    if select_backend(x.q, x.k, x.v, x.gk, x.gv, x.initial_state) is Backend.TORCH:
-        o, ht = recurrent_gla_torch(x.q, x.k, x.v, x.gk, x.gv, x.scale, x.initial_state,
-                                    x.seq_offsets, exclusive)
+        q, k, v, gk, gv = (_flip_per_sequence(t, x.seq_offsets, x.T) for t in (q, k, v, gk, gv))
+    if select_backend(q, k, v, gk, gv, x.initial_state) is Backend.TORCH:
+        o, ht = recurrent_gla_torch(q, k, v, gk, gv, x.scale, x.initial_state, x.seq_offsets,
+                                    exclusive)
         o, ht = o.to(out_dtype), (ht if output_final_state else None)
-    elif torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (x.q, x.k, x.v, x.gk, x.gv, x.initial_state)):
-        o, ht = FusedRecurrentGLAFunction.apply(x.q, x.k, x.v, x.gk, x.gv, x.initial_state,
-                                                x, output_final_state, exclusive, out_dtype)
     else:
-        o, ht = _launch_fwd(x, output_final_state, exclusive, out_dtype)
+        o, ht = _fused_triton(q, k, v, gk, gv, x, output_final_state, exclusive, out_dtype)
     if reverse:
         o = _flip_per_sequence(o, x.seq_offsets, x.T)
     return o, ht

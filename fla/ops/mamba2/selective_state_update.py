@@ -32,6 +32,7 @@ import triton.language as tl
 # sum in the interpreter instead of a traced @jit call (same code on the GPU).
 from triton.language.standard import _sum_combine
 
+from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -289,6 +290,56 @@ def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
     return y.to(x.dtype)
 
 
+def _triton_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices):
+    """The kernel launch: returns y ``[b, H, P]`` in x's dtype and updates ``state`` in
+    place. Arguments as :func:`selective_state_update` after its per-channel views."""
+    b, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    y = torch.empty(b, H, P, dtype=x.dtype, device=x.device)
+    a_per_head = ((P == 1 or A.stride(1) == 0) and (N == 1 or A.stride(2) == 0))
+    # Unused optional tensors are passed as None with zero strides; their constexpr flag
+    # keeps the kernel from touching them.
+    zero2, zero3 = (0, 0), (0, 0, 0)
+    BN = _block_n(N)
+    selective_state_update_kernel[lambda meta: (triton.cdiv(P, meta["BP"]), b * H)](
+        state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices,
+        *state.stride(), *x.stride(), *dt.stride(),
+        *(dt_bias.stride() if dt_bias is not None else zero2),
+        *A.stride(), *B.stride(), *C.stride(),
+        *(D.stride() if D is not None else zero2),
+        *(z.stride() if z is not None else zero3),
+        state.shape[0],
+        H=H, G=G, P=P, N=N, BN=BN,
+        A_PER_HEAD=a_per_head, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+        HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_INDICES=state_batch_indices is not None,
+    )
+    return y
+
+
+# The step as the custom op ``fla::selective_state_update`` (one node under torch.compile;
+# a decode loop can be captured in a CUDA graph). It writes the state in place, declared
+# as a mutation (``Tensor(a!)``): returning a new state instead would add a read and a
+# write of the state to a step bound by exactly that traffic. No autograd: decoding only.
+# Its fake is the step with the launch skipped, as for fla.utils.custom_ops.stage_op
+# (which registers functional ops only).
+def _run_step(*args):
+    return compile_ahead.run("mamba2.selective_state_update", _triton_step, *args)
+
+
+def _fake_step(*args):
+    with compile_ahead.launches_skipped():
+        return _triton_step(*args)
+
+
+_step_op = torch.library.custom_op(
+    "fla::selective_state_update", _run_step, mutates_args=("state",),
+    schema="(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+           "Tensor? z, Tensor? dt_bias, bool dt_softplus, Tensor? state_batch_indices) "
+           "-> Tensor")
+_step_op.register_fake(_fake_step)
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            dt_softplus=False, state_batch_indices=None):
     """One SSD decoding step: ``state`` is updated in place and ``y`` returned.
@@ -340,7 +391,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         return y.squeeze(1)
 
     b, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    N = B.shape[2]
     # Per-head parameters become zero-stride views of the per-channel shapes.
     dt = _per_channel(dt, (b, H, P))
     A = _per_channel(A, (H, P, N))
@@ -351,23 +402,4 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         return _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                            state_batch_indices)
 
-    y = torch.empty(b, H, P, dtype=x.dtype, device=x.device)
-    a_per_head = ((P == 1 or A.stride(1) == 0) and (N == 1 or A.stride(2) == 0))
-    # Unused optional tensors are passed as None with zero strides; their constexpr flag
-    # keeps the kernel from touching them.
-    zero2, zero3 = (0, 0), (0, 0, 0)
-    BN = _block_n(N)
-    selective_state_update_kernel[lambda meta: (triton.cdiv(P, meta["BP"]), b * H)](
-        state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices,
-        *state.stride(), *x.stride(), *dt.stride(),
-        *(dt_bias.stride() if dt_bias is not None else zero2),
-        *A.stride(), *B.stride(), *C.stride(),
-        *(D.stride() if D is not None else zero2),
-        *(z.stride() if z is not None else zero3),
-        state.shape[0],
-        H=H, G=G, P=P, N=N, BN=BN,
-        A_PER_HEAD=a_per_head, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_INDICES=state_batch_indices is not None,
-    )
-    return y
+    return _step_op(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fla.ops.gated_delta_rule.fused_recurrent import (
-    FusedRecurrentGatedDeltaRuleFunction,
-    fused_recurrent_gated_delta_rule_fwd,
-)
+from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_triton
 from fla.ops.gated_delta_rule.recurrent_torch import recurrent_gated_delta_rule_torch
 from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.utils.backend import Backend, select_backend
@@ -50,13 +47,8 @@ def fused_recurrent_simple_gla(
         o, final_state = recurrent_gated_delta_rule_torch(
             x.q, x.k, x.v, x.g, None, x.scale, x.initial_state, output_final_state,
             x.seq_offsets, delta=False)
-    elif torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x.q, x.k, x.v, x.g, x.initial_state)):
-        o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(
-            x.q, x.k, x.v, x.g, None, x.initial_state, x.scale, output_final_state,
-            x.cu_seqlens, x.N, False, False)
     else:
-        o, final_state, _ = fused_recurrent_gated_delta_rule_fwd(
+        o, final_state = fused_recurrent_triton(
             x.q, x.k, x.v, x.g, None, x.scale, x.initial_state, output_final_state,
             x.cu_seqlens, x.N, delta=False)
     if head_first:
