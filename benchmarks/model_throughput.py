@@ -15,7 +15,8 @@ library in its own process, as ``benchmarks/run_side.py`` does), on the same con
   whose steps replay a CUDA graph.
 
 ``--profile`` adds the per-kernel GPU time of one training step (torch.profiler), to
-compare where ours and the reference spend a step. ``--tiny`` shrinks everything for a CPU smoke test of the script itself.
+compare where ours and the reference spend a step; ``--host`` where the host's time of a
+step goes (cProfile). ``--tiny`` shrinks everything for a CPU smoke test of the script itself.
 
 The reference library refuses its gated backward on Hopper with Triton 3.4-3.7.0; when
 the imported ``fla`` is not this checkout's, its check is switched off (as
@@ -116,6 +117,44 @@ def profile_train_step(net, device: str, batch: int, length: int, top: int = 30)
             "top_kernels": [[name[:110], round(ms, 3)] for name, (ms, _) in ranked[:top]]}
 
 
+def profile_host(net, device: str, batch: int, length: int, steps: int = 3,
+                 top: int = 35) -> dict:
+    """Where the host's time of a training step goes (cProfile over ``steps`` steps, by
+    own time): when the GPU waits for the host, these are what to cut."""
+    import cProfile
+    import io
+    import pstats
+
+    vocab = net.config.vocab_size
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+
+    def step():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    sync(device)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    host = (time.perf_counter() - t0) / steps
+    sync(device)
+    wall = (time.perf_counter() - t0) / steps
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    print(text.getvalue())
+    return {"host_s_per_step_profiled": host, "wall_s_per_step_profiled": wall}
+
+
 def decode_tokens_per_s(net, device: str, batch: int, new_tokens: int,
                         graph: bool = False) -> dict:
     """``generate()`` (or, with ``graph``, this library's :func:`fla.models.decode`, whose
@@ -154,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test of the script")
     p.add_argument("--profile", action="store_true",
                    help="also print the per-kernel GPU time of one training step")
+    p.add_argument("--host", action="store_true",
+                   help="also print where the host's time of a training step goes")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     import pathlib
@@ -192,6 +233,9 @@ def main(argv=None) -> int:
         if args.profile and device == "cuda":
             measure({"what": "train_profile", "batch": batch, "length": length},
                     profile_train_step, net, device, batch, length)
+        if args.host and device == "cuda":
+            measure({"what": "train_host", "batch": batch, "length": length},
+                    profile_host, net, device, batch, length)
     if "decode" in args.what:
         # Decoding with bf16 weights (no autocast: the usual way to serve a model, and the
         # captured step would otherwise re-cast every weight at each token).
