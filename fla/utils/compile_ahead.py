@@ -139,19 +139,24 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+_AS_IS = (bool, str, torch.dtype, type(None))
+
+
 def _signature(value: Any) -> Any:
     """What decides which kernels a step compiles: dtypes, ranks, devices, the sizes past
     the (batch, time) dims and the flags; not B, T or counts, which change from call to
     call under varlen (a size that does change a kernel's specialization, like T's
-    divisibility by 16, only means that kernel compiles at its launch as usual)."""
+    divisibility by 16, only means that kernel compiles at its launch as usual). Every
+    call of a step computes this: the common cases come first."""
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.dim(), tuple(value.shape[2:]), value.device)
-    if isinstance(value, (tuple, list)):
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            return "numbers"  # offsets and the like: their count varies with the batch
-        return tuple(_signature(v) for v in value)
-    if value is None or isinstance(value, (bool, str, torch.dtype)):
+        return (value.dtype, value.dim(), value.shape[2:], value.device)
+    if isinstance(value, _AS_IS):
         return value
+    if isinstance(value, (tuple, list)):
+        if value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                         for v in value):
+            return "numbers"  # offsets and the like: their count varies with the batch
+        return tuple(map(_signature, value))
     return type(value).__name__
 
 
