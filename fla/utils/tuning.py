@@ -275,7 +275,14 @@ class TunedKernel:
     def _compile(self, config: Config, grid, named: Mapping[str, Any]) -> None:
         """Compile without launching (GPU only; the interpreter compiles nothing)."""
         launch_args = self._launch_args(config, named)
-        self.kernel.warmup(grid=self._grid(grid, launch_args), **launch_args)
+        compiled = self.kernel.warmup(grid=self._grid(grid, launch_args), **launch_args)
+        # Triton defers loading the binary and building its launcher (a C stub compiled
+        # with the system compiler, ~0.3 s a new signature) to the first launch: do both
+        # here, so that a build in compile ahead's pool leaves nothing for that launch.
+        # Idempotent; an error it raises (OutOfResources) is the config's, as at launch.
+        init_handles = getattr(compiled, "_init_handles", None)
+        if init_handles is not None:
+            init_handles()
 
     def _run_first(self, key: tuple, config: Config, grid, named: Mapping[str, Any]):
         """First launch of a config at a key: a failure to build it moves on to the next
