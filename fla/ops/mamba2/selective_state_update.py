@@ -34,6 +34,7 @@ from triton.language.standard import _sum_combine
 
 from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import _traced
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     INDEX_DTYPES,
@@ -321,8 +322,9 @@ def _triton_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
 # a decode loop can be captured in a CUDA graph). It writes the state in place, declared
 # as a mutation (``Tensor(a!)``): returning a new state instead would add a read and a
 # write of the state to a step bound by exactly that traffic. No autograd: decoding only.
-# Its fake is the step with the launch skipped, as for fla.utils.custom_ops.stage_op
-# (which registers functional ops only).
+# Its fake is the step with the launch skipped, and eager calls skip the op's dispatch
+# (tens of µs of host time), as for fla.utils.custom_ops.stage_op, which registers
+# functional ops only.
 def _run_step(*args):
     return compile_ahead.run("mamba2.selective_state_update", _triton_step, *args)
 
@@ -402,4 +404,5 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         return _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                            state_batch_indices)
 
-    return _step_op(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+    args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+    return _step_op(*args) if _traced(args) else _run_step(*args)
