@@ -8,7 +8,9 @@ With σ the logistic function::
 
 The arithmetic is float32 whatever the dtype; σ(g) is recomputed in the backward, so
 only the inputs are kept. gate and up may be two halves of one projection's output
-(row stride 2I): the kernels take row strides and nothing is copied.
+(row stride 2I): the kernels take row strides and nothing is copied. They run behind
+the custom ops ``fla::swiglu[_packed]_fwd`` / ``_bwd``, so that ``torch.compile`` traces
+through them.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
 
@@ -88,7 +91,7 @@ def _swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return y.view(g.shape)
 
 
-def _swiglu_bwd(g, u, dy, dg, du) -> None:
+def _swiglu_bwd_into(g, u, dy, dg, du) -> None:
     g2, u2, dy2 = _rows(g), _rows(u), _rows(dy).contiguous()
     R, C = g2.shape
     swiglu_bwd_kernel[lambda meta: (R, triton.cdiv(C, meta["BC"]))](
@@ -96,40 +99,52 @@ def _swiglu_bwd(g, u, dy, dg, du) -> None:
         s_dg=dg.stride(0), s_du=du.stride(0), C=C)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, u):
-        ctx.save_for_backward(g, u)
-        return _swiglu_fwd(g, u)
-
-    @staticmethod
-    def backward(ctx, dy):
-        g, u = ctx.saved_tensors
-        C = g.shape[-1]
-        dg = torch.empty(g.numel() // C, C, dtype=g.dtype, device=g.device)
-        du = torch.empty(u.numel() // C, C, dtype=u.dtype, device=u.device)
-        _swiglu_bwd(g, u, dy, dg, du)
-        return dg.view(g.shape), du.view(u.shape)
+def _swiglu_bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor):
+    """``(dg, du)`` shaped like g and u (contiguous)."""
+    C = g.shape[-1]
+    dg = torch.empty(g.numel() // C, C, dtype=g.dtype, device=g.device)
+    du = torch.empty(u.numel() // C, C, dtype=u.dtype, device=u.device)
+    _swiglu_bwd_into(g, u, dy, dg, du)
+    return dg.view(g.shape), du.view(u.shape)
 
 
-class SwiGLUPackedFunction(torch.autograd.Function):
-    """SwiGLU of ``[..., 2I]`` split in (gate, up) halves; the gradient lands in one
-    ``[..., 2I]`` buffer, so autograd has no halves to concatenate."""
+def _swiglu_packed_fwd(gu: torch.Tensor) -> torch.Tensor:
+    return _swiglu_fwd(*gu.chunk(2, dim=-1))
 
-    @staticmethod
-    def forward(ctx, gu):
-        ctx.save_for_backward(gu)
-        g, u = gu.chunk(2, dim=-1)
-        return _swiglu_fwd(g, u)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (gu,) = ctx.saved_tensors
-        g, u = gu.chunk(2, dim=-1)
-        C = g.shape[-1]
-        dgu = torch.empty(gu.numel() // (2 * C), 2 * C, dtype=gu.dtype, device=gu.device)
-        _swiglu_bwd(g, u, dy, dgu[:, :C], dgu[:, C:])
-        return dgu.view(gu.shape)
+def _swiglu_packed_bwd(gu: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``[..., 2I]`` in one buffer, so autograd has no halves to
+    concatenate."""
+    g, u = gu.chunk(2, dim=-1)
+    C = g.shape[-1]
+    dgu = torch.empty(gu.numel() // (2 * C), 2 * C, dtype=gu.dtype, device=gu.device)
+    _swiglu_bwd_into(g, u, dy, dgu[:, :C], dgu[:, C:])
+    return dgu.view(gu.shape)
+
+
+# The kernels as custom ops (one node each under torch.compile; their fakes are the
+# launchers with the launches skipped): fla::swiglu_fwd / _bwd on (gate, up), and
+# fla::swiglu_packed_fwd / _bwd on the [..., 2I] tensor holding both halves.
+_swiglu_fwd_op = stage_op("swiglu_fwd", _swiglu_fwd, label="swiglu.fwd",
+                          schema="(Tensor g, Tensor u) -> Tensor")
+_swiglu_bwd_op = stage_op("swiglu_bwd", _swiglu_bwd, label="swiglu.bwd",
+                          schema="(Tensor g, Tensor u, Tensor dy) -> (Tensor, Tensor)")
+_swiglu_packed_fwd_op = stage_op("swiglu_packed_fwd", _swiglu_packed_fwd,
+                                 label="swiglu_packed.fwd", schema="(Tensor gu) -> Tensor")
+_swiglu_packed_bwd_op = stage_op("swiglu_packed_bwd", _swiglu_packed_bwd,
+                                 label="swiglu_packed.bwd",
+                                 schema="(Tensor gu, Tensor dy) -> Tensor")
+
+
+def _save_inputs(ctx, inputs, output):
+    # σ is recomputed from the inputs: they are all the backward needs.
+    ctx.save_for_backward(*inputs)
+
+
+_swiglu_fwd_op.register_autograd(lambda ctx, dy: _swiglu_bwd_op(*ctx.saved_tensors, dy),
+                                 setup_context=_save_inputs)
+_swiglu_packed_fwd_op.register_autograd(
+    lambda ctx, dy: _swiglu_packed_bwd_op(*ctx.saved_tensors, dy), setup_context=_save_inputs)
 
 
 def _swiglu_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -158,7 +173,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_same_device(gate=gate, up=up)
     if _use_torch(gate):
         return _swiglu_torch(gate, up)
-    return SwiGLUFunction.apply(gate, up)
+    return _swiglu_fwd_op(gate, up)
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
@@ -169,4 +184,4 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
                          f"{tuple(gate_up.shape)}")
     if _use_torch(gate_up):
         return _swiglu_torch(*gate_up.chunk(2, dim=-1))
-    return SwiGLUPackedFunction.apply(gate_up)
+    return _swiglu_packed_fwd_op(gate_up)

@@ -20,6 +20,11 @@ the first recomputes z, writes dz (only with an activation; else dz is dy) and s
 and db; the second reads dz at W shifts for dx. dx needs dz W − 1 rows past a tile,
 which one fused pass would have to recompute W times over (W² loads of x a row: it ran
 at a fifth of the copy bandwidth on an H100).
+
+The kernels run behind the custom ops ``fla::causal_conv1d_fwd`` / ``_bwd`` and
+``fla::causal_conv1d_update`` (which writes the cache in place), so that
+``torch.compile`` traces through training and decoding steps. Packed sequences read
+their offsets on the host before the op: a graph break there.
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
+from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import _traced, present, stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -267,40 +274,41 @@ def causal_conv1d_update_kernel(
 
 
 # ------------------------------------------------------------------------ launchers
-def _grid_rows(B: int, T: int, cu_seqlens, offsets):
-    """(chunk list or None, number of chunks, cu_seqlens on the device)."""
-    if offsets is None:
-        return None, triton.cdiv(T, CONV_BT), None
-    chunk_indices = varlen_chunk_indices(cu_seqlens, CONV_BT, offsets=offsets)
-    return chunk_indices, chunk_indices.shape[0], cu_seqlens
+def _grid(B: int, T: int, chunk_indices) -> tuple[int, int]:
+    """(chunks per row, rows) of a launch: every chunk of the packed row under varlen."""
+    if chunk_indices is None:
+        return triton.cdiv(T, CONV_BT), B
+    return chunk_indices.shape[0], 1
 
 
-def _conv_fwd_triton(x, weight, bias, h0, output_final_state, activation, cu_seqlens, offsets):
+def _conv_fwd_triton(x, weight, bias, h0, output_final_state, activation, cu_seqlens,
+                     chunk_indices, N):
+    """Forward on contiguous inputs (x ``[B, T, D]``, weight ``[D, W]``, h0 ``[N, D, W]``;
+    under varlen cu_seqlens and its chunk list on x's device): ``(y, final cache or
+    None)``."""
     B, T, D = x.shape
     W = weight.shape[1]
-    N = B if offsets is None else len(offsets) - 1
-    if offsets is not None:
-        cu_seqlens = cu_seqlens.to(x.device)
-    chunk_indices, NT, cu = _grid_rows(B, T, cu_seqlens, offsets)
+    NT, rows = _grid(B, T, chunk_indices)
     y = torch.empty_like(x)
     ht = x.new_empty(N, D, W) if output_final_state else None
-    rows = 1 if cu is not None else B
     causal_conv1d_fwd_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
-        x=x, w=weight, b=bias, h0=h0, y=y, ht=ht, cu_seqlens=cu, chunk_indices=chunk_indices,
-        T=T, D=D, W=W, BT=CONV_BT, BW=triton.next_power_of_2(W),
+        x=x, w=weight, b=bias, h0=h0, y=y, ht=ht, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, T=T, D=D, W=W, BT=CONV_BT, BW=triton.next_power_of_2(W),
         ACTIVATION=activation is not None, HAS_BIAS=bias is not None, HAS_H0=h0 is not None,
-        STORE_FINAL=output_final_state, IS_VARLEN=cu is not None,
+        STORE_FINAL=output_final_state, IS_VARLEN=chunk_indices is not None,
     )
     return y, ht
 
 
-def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, offsets,
+def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, chunk_indices, N,
                      need_dh0: bool):
+    """``(dx, dw, db or None, dh0 or None)`` in the inputs' dtypes; arguments as
+    :func:`_conv_fwd_triton`'s, dy and dht contiguous."""
     B, T, D = x.shape
     W = weight.shape[1]
-    N = B if offsets is None else len(offsets) - 1
-    chunk_indices, NT, cu = _grid_rows(B, T, cu_seqlens, offsets)
-    rows = 1 if cu is not None else B
+    NT, rows = _grid(B, T, chunk_indices)
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                  IS_VARLEN=chunk_indices is not None)
     # With an activation, pass 1 writes dz (in x's dtype: pass 2 reads it W times over)
     # for pass 2; without one dz is dy itself.
     dz = torch.empty_like(x) if activation is not None else dy
@@ -308,17 +316,15 @@ def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, offse
     db = (torch.empty(rows * NT, D, dtype=torch.float32, device=x.device)
           if bias is not None else None)
     causal_conv1d_bwd_dw_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
-        x=x, w=weight, b=bias, h0=h0, dy=dy, dz=dz, dw=dw, db=db, cu_seqlens=cu,
-        chunk_indices=chunk_indices, T=T, D=D, W=W, BT=CONV_BT,
+        x=x, w=weight, b=bias, h0=h0, dy=dy, dz=dz, dw=dw, db=db, T=T, D=D, W=W, BT=CONV_BT,
         ACTIVATION=activation is not None, HAS_BIAS=bias is not None, HAS_H0=h0 is not None,
-        IS_VARLEN=cu is not None,
+        **varlen,
     )
     dx = torch.empty_like(x)
     dh0 = torch.empty(N, D, W, dtype=torch.float32, device=x.device) if need_dh0 else None
     causal_conv1d_bwd_dx_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
-        w=weight, dz=dz, dht=dht, dx=dx, dh0=dh0, cu_seqlens=cu, chunk_indices=chunk_indices,
-        T=T, D=D, W=W, BT=CONV_BT, BW=triton.next_power_of_2(W), HAS_DHT=dht is not None,
-        STORE_DH0=need_dh0, IS_VARLEN=cu is not None,
+        w=weight, dz=dz, dht=dht, dx=dx, dh0=dh0, T=T, D=D, W=W, BT=CONV_BT,
+        BW=triton.next_power_of_2(W), HAS_DHT=dht is not None, STORE_DH0=need_dh0, **varlen,
     )
     dw = dw.sum(0).to(weight.dtype)
     db = db.sum(0).to(bias.dtype) if bias is not None else None
@@ -326,30 +332,111 @@ def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, offse
     return dx, dw, db, dh0
 
 
-class CausalConv1dFunction(torch.autograd.Function):
-    """Triton forward/backward of :func:`causal_conv1d` (weight ``[D, W]``)."""
+def _conv_update_triton(x, cache, weight, bias, activation) -> torch.Tensor:
+    """One decoding step on contiguous x ``[N, D]``, weight ``[D, W]``: returns y ``[N, D]``
+    and updates ``cache [N, D, W]`` (any strides) in place."""
+    N, D = x.shape
+    W = weight.shape[1]
+    y = torch.empty_like(x)
+    causal_conv1d_update_kernel[lambda meta: (triton.cdiv(D, meta["BD"]), N)](
+        x=x, w=weight, b=bias, cache=cache, y=y, s_n=cache.stride(0), s_d=cache.stride(1),
+        s_w=cache.stride(2), D=D, W=W, BW=triton.next_power_of_2(W),
+        ACTIVATION=activation is not None, HAS_BIAS=bias is not None,
+    )
+    return y
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, h0, output_final_state, activation, cu_seqlens, offsets):
-        x, weight = x.contiguous(), weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        h0 = None if h0 is None else h0.contiguous()
-        y, ht = _conv_fwd_triton(x, weight, bias, h0, output_final_state, activation,
-                                 cu_seqlens, offsets)
-        cu = None if offsets is None else cu_seqlens.to(x.device)
-        ctx.save_for_backward(x, weight, bias, h0, cu)
-        ctx.activation, ctx.offsets = activation, offsets
-        return y, ht
 
-    @staticmethod
-    def backward(ctx, dy, dht):
-        x, weight, bias, h0, cu = ctx.saved_tensors
-        need_dh0 = h0 is not None and ctx.needs_input_grad[3]
-        dx, dw, db, dh0 = _conv_bwd_triton(
-            x, weight, bias, h0, dy.contiguous(),
-            None if dht is None else dht.contiguous(), ctx.activation, cu, ctx.offsets,
-            need_dh0)
-        return dx, dw, db, dh0, None, None, None, None
+# ----------------------------------------------------------------------- custom ops
+# Forward and backward as the custom ops fla::causal_conv1d_fwd / _bwd (one node each
+# under torch.compile; their fakes are the launchers with the launches skipped), joined by
+# the autograd formula below. Under varlen the chunk list is built on the host before the
+# op, from the offsets that the argument checks read.
+_conv_fwd_op = stage_op(
+    "causal_conv1d_fwd", _conv_fwd_triton, label="causal_conv1d.fwd",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? h0, bool output_final_state, "
+           "str? activation, Tensor? cu_seqlens, Tensor? chunk_indices, int N) "
+           "-> (Tensor, Tensor)")
+_conv_bwd_op = stage_op(
+    "causal_conv1d_bwd", _conv_bwd_triton, label="causal_conv1d.bwd",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? h0, Tensor dy, Tensor? dht, "
+           "str? activation, Tensor? cu_seqlens, Tensor? chunk_indices, int N, "
+           "bool need_dh0) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, h0, output_final_state, activation, cu_seqlens, chunk_indices, N = inputs
+    ctx.save_for_backward(x, weight, bias, h0, cu_seqlens, chunk_indices)
+    ctx.activation, ctx.N, ctx.output_final_state = activation, N, output_final_state
+    ctx.set_materialize_grads(False)
+
+
+def _backward_formula(ctx, dy, dht):
+    x, weight, bias, h0, cu_seqlens, chunk_indices = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
+    # The final cache's gradient exists only if the forward returned one (else it is the
+    # gradient of a placeholder).
+    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    need_dh0 = h0 is not None and ctx.needs_input_grad[3]
+    dx, dw, db, dh0 = _conv_bwd_op(x, weight, bias, h0, dy, dht, ctx.activation, cu_seqlens,
+                                   chunk_indices, ctx.N, need_dh0)
+    return (dx, dw, present(db, bias is not None), present(dh0, need_dh0),
+            None, None, None, None, None)
+
+
+_conv_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _fake_update(*args):
+    with compile_ahead.launches_skipped():
+        return _conv_update_triton(*args)
+
+
+# The decoding step as fla::causal_conv1d_update. It writes the cache in place, declared
+# as a mutation (``Tensor(a!)``): a functional op would return a new cache and add a read
+# and a write of it to a step that moves little else. Its fake is the launcher with the
+# launch skipped, and eager calls skip the op's dispatch (tens of us of host time a
+# step), as for stage_op, which registers functional ops only.
+_conv_update_op = torch.library.custom_op(
+    "fla::causal_conv1d_update", _conv_update_triton, mutates_args=("cache",),
+    schema="(Tensor x, Tensor(a!) cache, Tensor weight, Tensor? bias, str? activation) "
+           "-> Tensor")
+_conv_update_op.register_fake(_fake_update)
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+# Packed sequences' offsets are read on the host (validated, then the chunk list that
+# sizes the grid is built from them, once per tensor: both cached). Under torch.compile
+# these calls run eagerly, a graph break before the op, so that the graph holds no guard
+# on the offsets' values: a compiled caller would recompile for every batch.
+_host_offsets = torch.compiler.disable(check_cu_seqlens)
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor | None, T: int, B: int) -> list[int] | None:
+    """:func:`check_cu_seqlens`; without packed sequences no call (and no graph break)."""
+    return None if cu_seqlens is None else _host_offsets(cu_seqlens, T=T, B=B)
+
+
+@torch.compiler.disable
+def _chunk_list(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[NT, 2]`` (sequence, chunk) rows of a packed batch."""
+    return varlen_chunk_indices(cu_seqlens, CONV_BT)
+
+
+def _conv_triton(x, weight, bias, h0, output_final_state, activation, cu_seqlens, N):
+    """The Triton path through fla::causal_conv1d_fwd: ``(y, final cache or None)``.
+    Made contiguous here, before the op, so that autograd saves the same tensors that
+    the kernels read."""
+    chunk_indices = None
+    if cu_seqlens is not None:
+        chunk_indices = _chunk_list(cu_seqlens).to(x.device)
+        cu_seqlens = cu_seqlens.to(x.device)
+    y, ht = _conv_fwd_op(x.contiguous(), weight.contiguous(), _contiguous(bias),
+                         _contiguous(h0), output_final_state, activation, cu_seqlens,
+                         chunk_indices, N)
+    return y, present(ht, output_final_state)
 
 
 # ---------------------------------------------------------------------- torch path
@@ -450,7 +537,7 @@ def causal_conv1d(
     B, T, D = x.shape
     weight = _check_weight(weight, bias, D)
     activation = _check_activation(activation)
-    offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
+    offsets = _check_cu_seqlens(cu_seqlens, T=T, B=B)
     N = B if offsets is None else len(offsets) - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state)
@@ -464,8 +551,8 @@ def causal_conv1d(
     if select_backend(x) is Backend.TORCH:
         return _conv_torch(x, weight, bias, initial_state, output_final_state, activation,
                            offsets)
-    return CausalConv1dFunction.apply(x, weight, bias, initial_state, output_final_state,
-                                      activation, cu_seqlens, offsets)
+    return _conv_triton(x, weight, bias, initial_state, output_final_state, activation,
+                        cu_seqlens, N)
 
 
 def causal_conv1d_update(
@@ -519,14 +606,8 @@ def causal_conv1d_update(
                 y = F.silu(y)
         return y.to(x.dtype).view(shape), cache
 
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    y = torch.empty_like(x)
-    causal_conv1d_update_kernel[lambda meta: (triton.cdiv(D, meta["BD"]), N)](
-        x=x, w=weight, b=bias, cache=cache, y=y, s_n=cache.stride(0), s_d=cache.stride(1),
-        s_w=cache.stride(2), D=D, W=W, BW=triton.next_power_of_2(W),
-        ACTIVATION=activation is not None, HAS_BIAS=bias is not None,
-    )
+    args = (x.contiguous(), cache, weight.contiguous(), _contiguous(bias), activation)
+    y = _conv_update_op(*args) if _traced(args) else _conv_update_triton(*args)
     return y.view(shape), cache
 
 
@@ -587,7 +668,7 @@ class ShortConvolution(nn.Conv1d):
         if D != self.hidden_size:
             raise ValueError(f"x: expected [B, T, D] with D = hidden_size = "
                              f"{self.hidden_size}, got {tuple(x.shape)}")
-        offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
+        offsets = _check_cu_seqlens(cu_seqlens, T=T, B=B)
         if cache is not None:
             # Named here as the caller knows it: causal_conv1d calls it initial_state.
             check_tensor("cache", cache)

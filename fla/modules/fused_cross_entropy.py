@@ -12,6 +12,10 @@ forward instead would hold a second [N, V] tensor from the forward to the backwa
 overwrite the caller's logits); recomputing softmax from the stored lse costs the same
 two reads and one write in total and holds nothing extra.
 
+The kernels run behind the custom ops ``fla::cross_entropy_fwd`` / ``_bwd``. The check
+that every id lies in the vocabulary reads the ids' range on the host, before them: under
+``torch.compile`` a graph break, after which the rest traces whole.
+
 The input checks shared with :mod:`fla.modules.fused_linear_cross_entropy` live here.
 """
 from __future__ import annotations
@@ -21,10 +25,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from fla.modules.cross_entropy_kernels import cross_entropy_bwd, cross_entropy_fwd
 from fla.utils.backend import use_triton
+from fla.utils.custom_ops import stage_op
 from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["FusedCrossEntropyLoss", "cross_entropy_loss", "check_loss_options",
@@ -101,46 +105,77 @@ def count_valid_targets(target: torch.Tensor, V: int, ignore_index: int) -> int:
 
 
 # ------------------------------------------------------------------------------ autograd
-def _reduce(loss_rows: torch.Tensor, reduction: str, count: int, shape) -> torch.Tensor:
+def _ce_fwd(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+            label_smoothing: float, logit_scale: float):
+    """``(loss_rows [N], lse [N])`` fp32 over ``logits [N, V]`` (unit stride along V)."""
+    N = logits.shape[0]
+    loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+    cross_entropy_fwd(logits, target, loss_rows, lse, ignore_index=ignore_index,
+                      label_smoothing=label_smoothing, logit_scale=logit_scale)
+    return loss_rows, lse
+
+
+def _ce_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+            grad_rows: torch.Tensor, ignore_index: int, label_smoothing: float,
+            logit_scale: float) -> torch.Tensor:
+    """dlogits in the logits' dtype from the gradient of each row's loss (``[N]``, any
+    stride: the gradient of a sum is one value expanded with stride 0)."""
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    cross_entropy_bwd(logits, target, lse, grad_rows.reshape(-1), dlogits,
+                      ignore_index=ignore_index, label_smoothing=label_smoothing,
+                      logit_scale=logit_scale, grad_scale=logit_scale)
+    return dlogits
+
+
+# The kernels as the custom ops fla::cross_entropy_fwd / _bwd (one node each under
+# torch.compile; their fakes are the launchers with the launches skipped), joined by the
+# autograd formula below. They work on per-row losses: the reduction (and the mean's
+# count) is left to PyTorch ops around them, so that no host number enters the graph.
+_ce_fwd_op = stage_op(
+    "cross_entropy_fwd", _ce_fwd, label="cross_entropy.fwd",
+    schema="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
+           "float logit_scale) -> (Tensor, Tensor)")
+_ce_bwd_op = stage_op(
+    "cross_entropy_bwd", _ce_bwd, label="cross_entropy.bwd",
+    schema="(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, int ignore_index, "
+           "float label_smoothing, float logit_scale) -> Tensor")
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, logit_scale = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.options = (ignore_index, label_smoothing, logit_scale)
+    # lse is an output only for the backward: no zeros for its gradient.
+    ctx.set_materialize_grads(False)
+
+
+def _backward_formula(ctx, grad_rows, _dlse):
+    logits, target, lse = ctx.saved_tensors
+    return (_ce_bwd_op(logits, target, lse, grad_rows, *ctx.options),
+            None, None, None, None)
+
+
+_ce_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _cross_entropy_triton(logits, target, ignore_index, label_smoothing, logit_scale,
+                          reduction, shape):
+    """The Triton path on checked ``logits [N, V]`` and ``target [N]`` (ids in range):
+    fla::cross_entropy_fwd, then the reduction. Reads nothing on the host, so that it
+    traces whole under torch.compile."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    loss_rows, _ = _ce_fwd_op(logits, target.contiguous(), ignore_index, label_smoothing,
+                              logit_scale)
     if reduction == "none":
         return loss_rows.view(shape)
     total = loss_rows.sum()
-    # count == 0 under 'mean' gives 0/0 = nan, as torch's cross_entropy does.
-    return total / count if reduction == "mean" else total
-
-
-def _grad_scale(reduction: str, count: int, logit_scale: float) -> float:
-    """The host factor of d loss / d z: the logit scale, over the count for the mean."""
-    if reduction == "mean":
-        return logit_scale / count if count else 0.0
-    return logit_scale
-
-
-class _CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, logit_scale, reduction,
-                count, shape):
-        N = logits.shape[0]
-        loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
-        cross_entropy_fwd(logits, target, loss_rows, lse, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, logit_scale=logit_scale)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.options = (ignore_index, label_smoothing, logit_scale, reduction, count)
-        return _reduce(loss_rows, reduction, count, shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        logits, target, lse = ctx.saved_tensors
-        ignore_index, label_smoothing, logit_scale, reduction, count = ctx.options
-        dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        # 'none': one factor per row (any stride, an expanded grad has stride 0).
-        grad = grad.reshape(-1) if reduction == "none" else grad.reshape(1)
-        cross_entropy_bwd(logits, target, lse, grad, dlogits, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, logit_scale=logit_scale,
-                          grad_scale=_grad_scale(reduction, count, logit_scale))
-        return dlogits, None, None, None, None, None, None, None
+    if reduction == "sum":
+        return total
+    # Over the rows not ignored, counted on the device. No row: 0/0 = nan, as torch's
+    # cross_entropy gives; the gradient stays 0 (every row ignored writes zeros).
+    return total / (target != ignore_index).sum()
 
 
 def _cross_entropy_torch(logits, target, ignore_index, label_smoothing, logit_scale,
@@ -196,23 +231,15 @@ def cross_entropy_loss(
     check_same_device(logits=logits, target=target)
     V = logits.shape[-1]
     logits = logits.reshape(-1, V)
-    count = count_valid_targets(target, V, ignore_index)
+    # Ids outside the vocabulary would make the kernels read outside a row: a host read
+    # of the ids' range, before anything runs (under torch.compile a graph break).
+    count_valid_targets(target, V, ignore_index)
 
     if not use_triton(logits, target):
         return _cross_entropy_torch(logits, target, ignore_index, label_smoothing,
                                     logit_scale, reduction, rows_shape)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    target = target.contiguous()
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing,
-                                           logit_scale, reduction, count, rows_shape)
-    N = logits.shape[0]
-    loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
-    cross_entropy_fwd(logits, target, loss_rows, lse, ignore_index=ignore_index,
-                      label_smoothing=label_smoothing, logit_scale=logit_scale)
-    return _reduce(loss_rows, reduction, count, rows_shape)
+    return _cross_entropy_triton(logits, target, ignore_index, label_smoothing, logit_scale,
+                                 reduction, rows_shape)
 
 
 class FusedCrossEntropyLoss(nn.Module):

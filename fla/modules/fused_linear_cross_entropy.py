@@ -17,6 +17,10 @@ dominate the time; the kernel reads each logits row twice and writes it once.
 Reduction 'none' needs a per-row grad_output, unknown in the forward: there the forward
 computes losses only (keeping an fp32 lse per row) and the backward recomputes each
 chunk's logits (one extra matmul) to build the gradients.
+
+Both passes run behind the custom ops ``fla::linear_cross_entropy_fwd`` / ``_bwd``; as
+for :mod:`fla.modules.fused_cross_entropy`, the ids' range check before them is a graph
+break under ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from torch._subclasses.fake_tensor import is_fake
 
 from fla.modules.cross_entropy_kernels import cross_entropy_bwd, cross_entropy_fwd
 from fla.modules.fused_cross_entropy import (
@@ -34,6 +38,7 @@ from fla.modules.fused_cross_entropy import (
     count_valid_targets,
 )
 from fla.utils.backend import use_triton
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy", "chunk_rows",
@@ -102,7 +107,10 @@ class _Accumulator:
                 self.value = torch.mm(a, b)
             else:
                 self.value.addmm_(a, b)
-        elif _addmm_fp32_supported(a.device):
+        # Not in the op's fake implementation (torch.compile tracing): torch's meta kernel
+        # of mm(out_dtype=) fails on FakeTensors (torch 2.11), and a fake probe would cache
+        # False. The fallback's fp32 result has the same shape.
+        elif not is_fake(a) and _addmm_fp32_supported(a.device):
             if self.value is None:
                 self.value = torch.mm(a, b, out_dtype=torch.float32)
             else:
@@ -176,57 +184,110 @@ def _finish(acc: _Accumulator | None, dtype: torch.dtype) -> torch.Tensor | None
     return acc.value.to(dtype)
 
 
+def _lce_fwd(x, target, weight, bias, count, ignore_index, label_smoothing, logit_scale,
+             reduction, rows, need_dx, need_dw, need_db):
+    """The forward pass. Returns ``(loss, lse, dx, dW, db)``: for 'none' the per-row losses
+    and their lse (for the backward's recomputation), no gradient; otherwise the loss
+    summed (over ``count``, a device scalar, for the mean) and the gradients asked for,
+    unscaled by grad_output (None where not asked)."""
+    options = (ignore_index, label_smoothing, logit_scale)
+    need = (need_dx, need_dw, need_db)
+    if reduction == "none" or not any(need):
+        loss_rows, lse, *_ = _chunked_pass(x, target, weight, bias, rows, options)
+        dx = dW = db = None
+    else:
+        loss_rows, lse, dx, dW, db = _chunked_pass(x, target, weight, bias, rows, options,
+                                                   grad_scale=logit_scale, need=need)
+    if reduction == "none":
+        return loss_rows, lse, None, None, None
+    total = loss_rows.sum()
+    # count == 0 under 'mean' gives 0/0 = nan, as torch's cross_entropy does.
+    loss = total / count if reduction == "mean" else total
+    return loss, lse, dx, _finish(dW, weight.dtype), _finish(db, weight.dtype)
+
+
+def _lce_bwd(x, target, weight, bias, lse, grad_rows, ignore_index, label_smoothing,
+             logit_scale, rows, need_dx, need_dw, need_db):
+    """The 'none' backward: each chunk's logits recomputed, the gradients weighted by
+    ``grad_rows [N]``. Returns ``(dx, dW, db)`` in the inputs' dtypes (None where not
+    asked)."""
+    _, _, dx, dW, db = _chunked_pass(
+        x, target, weight, bias, rows, (ignore_index, label_smoothing, logit_scale),
+        lse=lse, grad_rows=grad_rows.reshape(-1), grad_scale=logit_scale,
+        need=(need_dx, need_dw, need_db))
+    # grad_output is already inside these sums: cast them straight away.
+    return (dx, None if dW is None else dW.value.to(weight.dtype),
+            None if db is None else db.value.to(weight.dtype))
+
+
+# The chunked passes as the custom ops fla::linear_cross_entropy_fwd / _bwd (one node each
+# under torch.compile; their fakes are the passes with the kernel launches skipped),
+# joined by the autograd formula below.
+_OPTIONS = "int ignore_index, float label_smoothing, float logit_scale"
+_lce_fwd_op = stage_op(
+    "linear_cross_entropy_fwd", _lce_fwd, label="linear_cross_entropy.fwd",
+    schema=f"(Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor count, {_OPTIONS}, "
+           "str reduction, int rows, bool need_dx, bool need_dw, bool need_db) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_lce_bwd_op = stage_op(
+    "linear_cross_entropy_bwd", _lce_bwd, label="linear_cross_entropy.bwd",
+    schema=f"(Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor lse, "
+           f"Tensor grad_rows, {_OPTIONS}, int rows, bool need_dx, bool need_dw, "
+           "bool need_db) -> (Tensor, Tensor, Tensor)")
+
+
+def _setup_context(ctx, inputs, output):
+    (x, target, weight, bias, count, ignore_index, label_smoothing, logit_scale, reduction,
+     rows, *need) = inputs
+    _, lse, dx, dW, db = output
+    ctx.meta = ((ignore_index, label_smoothing, logit_scale), reduction, rows, need,
+                x.dtype)
+    if reduction == "none":
+        ctx.save_for_backward(x, target, weight, bias, lse)
+    else:
+        ctx.save_for_backward(count)
+        # Handed out once, not saved: the backward scales these buffers in place and
+        # AccumulateGrad may take them over (no second [V, H] tensor). Detached: an
+        # output held by its own node's ctx would be a reference cycle through C++ that
+        # no collector sees, leaking them if no backward runs.
+        ctx.grads = [t.detach() if wanted else None for t, wanted in zip((dx, dW, db), need)]
+    # Only the loss carries a gradient: no zeros for the other outputs'.
+    ctx.set_materialize_grads(False)
+
+
 def _scaled(g: torch.Tensor | None, c: torch.Tensor, dtype: torch.dtype):
     if g is None:
         return None
-    # In place, on buffers only this Function holds: no second [V, H] tensor.
+    # In place, on buffers only this op's forward made: no second [V, H] tensor.
     g.mul_(c)
     return g if g.dtype == dtype else g.to(dtype)
 
 
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, target, weight, bias, options, reduction, count, rows, shape):
-        ignore_index, label_smoothing, logit_scale = options
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
-                bias is not None and ctx.needs_input_grad[3])
-        ctx.meta = (options, reduction, count, rows, need, x.dtype, shape)
-        if reduction == "none":
-            loss_rows, lse, *_ = _chunked_pass(x, target, weight, bias, rows, options)
-            ctx.save_for_backward(x, target, weight, bias, lse)
-            return loss_rows.view(shape)
-        loss_rows, _, dx, dW, db = _chunked_pass(
-            x, target, weight, bias, rows, options, grad_scale=logit_scale, need=need)
-        ctx.grads = [dx, _finish(dW, weight.dtype), _finish(db, weight.dtype)]
-        total = loss_rows.sum()
-        # count == 0 under 'mean' gives 0/0 = nan, as torch's cross_entropy does.
-        return total / count if reduction == "mean" else total
+def _backward_formula(ctx, grad, _dlse, _ddx, _ddw, _ddb):
+    options, reduction, rows, need, dtype = ctx.meta
+    rest = (None,) * 9  # count, the options, reduction, rows and the flags
+    if grad is None:
+        return (None,) * 4 + rest
+    if reduction == "none":
+        x, target, weight, bias, lse = ctx.saved_tensors
+        dx, dW, db = _lce_bwd_op(x, target, weight, bias, lse, grad, *options, rows, *need)
+        return present(dx, need[0]), None, present(dW, need[1]), present(db, need[2]), *rest
+    if ctx.grads is None:
+        raise RuntimeError(
+            "FusedLinearCrossEntropyLoss: backward ran twice through one forward. The "
+            "gradients are computed in the forward and handed out once (no second "
+            "[V, H] copy is kept); run the forward again instead of retain_graph=True")
+    (count,) = ctx.saved_tensors
+    dx, dW, db = ctx.grads
+    ctx.grads = None   # AccumulateGrad may take these buffers over: drop our references
+    c = grad.to(torch.float32)
+    if reduction == "mean":
+        # No row counted: zero gradients (the loss is nan, as torch's).
+        c = torch.where(count > 0, c / count.clamp(min=1), 0.0)
+    return _scaled(dx, c, dtype), None, _scaled(dW, c, dtype), _scaled(db, c, dtype), *rest
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        options, reduction, count, rows, need, dtype, shape = ctx.meta
-        if reduction == "none":
-            x, target, weight, bias, lse = ctx.saved_tensors
-            _, _, dx, dW, db = _chunked_pass(
-                x, target, weight, bias, rows, options, lse=lse, grad_rows=grad.reshape(-1),
-                grad_scale=options[2], need=need)
-            # grad_output is already inside these sums: cast them straight away.
-            dW = None if dW is None else dW.value.to(dtype)
-            db = None if db is None else db.value.to(dtype)
-            return dx, None, dW, db, None, None, None, None, None
-        if ctx.grads is None:
-            raise RuntimeError(
-                "FusedLinearCrossEntropyLoss: backward ran twice through one forward. The "
-                "gradients are computed in the forward and handed out once (no second "
-                "[V, H] copy is kept); run the forward again instead of retain_graph=True")
-        dx, dW, db = ctx.grads
-        ctx.grads = None   # AccumulateGrad may take these buffers over: drop our references
-        c = grad.to(torch.float32)
-        if reduction == "mean":
-            c = c / count if count else c * 0.0
-        return (_scaled(dx, c, dtype), None, _scaled(dW, c, dtype), _scaled(db, c, dtype),
-                None, None, None, None, None)
+
+_lce_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def _linear_cross_entropy_torch(x, target, weight, bias, options, reduction, shape):
@@ -236,6 +297,21 @@ def _linear_cross_entropy_torch(x, target, weight, bias, options, reduction, sha
         z = z * logit_scale
     loss = F.cross_entropy(z, target.long(), ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
+    return loss.view(shape) if reduction == "none" else loss
+
+
+def _linear_cross_entropy_triton(x, target, weight, bias, options, reduction, shape,
+                                 num_chunks):
+    """The Triton path on checked ``x [N, H]``, ``target [N]`` (ids in range), ``weight
+    [V, H]``: fla::linear_cross_entropy_fwd. Reads nothing on the host, so that it traces
+    whole under torch.compile."""
+    target = target.contiguous()
+    rows = chunk_rows(x.shape[0], weight.shape[0], x.element_size(), num_chunks)
+    grads = torch.is_grad_enabled()
+    need = [grads and t is not None and t.requires_grad for t in (x, weight, bias)]
+    # The mean's denominator, counted on the device.
+    count = (target != options[0]).sum()
+    loss = _lce_fwd_op(x, target, weight, bias, count, *options, reduction, rows, *need)[0]
     return loss.view(shape) if reduction == "none" else loss
 
 
@@ -311,26 +387,17 @@ def fused_linear_cross_entropy(
                                    or not isinstance(num_chunks, int) or num_chunks < 1):
         raise ValueError(f"num_chunks: expected None or an int >= 1, got {num_chunks!r}")
     target, rows_shape, V, H = _check_inputs(x, target, weight, bias)
-    count = count_valid_targets(target, V, ignore_index)
+    # Ids outside the vocabulary would make the kernel read outside a row: a host read of
+    # the ids' range, before anything runs (under torch.compile a graph break).
+    count_valid_targets(target, V, ignore_index)
     x = x.reshape(-1, H)
     options = (ignore_index, label_smoothing, logit_scale)
 
     if not use_triton(x, target, weight, bias):
         return _linear_cross_entropy_torch(x, target, weight, bias, options, reduction,
                                            rows_shape)
-    target = target.contiguous()
-    N = x.shape[0]
-    rows = chunk_rows(N, V, x.element_size(), num_chunks)
-    grads = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
-    if grads:
-        return _LinearCrossEntropyFunction.apply(x, target, weight, bias, options, reduction,
-                                                 count, rows, rows_shape)
-    loss_rows, *_ = _chunked_pass(x, target, weight, bias, rows, options)
-    if reduction == "none":
-        return loss_rows.view(rows_shape)
-    total = loss_rows.sum()
-    return total / count if reduction == "mean" else total
+    return _linear_cross_entropy_triton(x, target, weight, bias, options, reduction,
+                                        rows_shape, num_chunks)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

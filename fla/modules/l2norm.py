@@ -9,6 +9,8 @@ with the epsilon of ``fla.ops.utils.l2norm`` (:data:`L2NORM_EPS`) by default, so
 normalising q and k here or inside an op (``use_qk_l2norm_in_kernel``) is one function.
 Rows up to ``layernorm_kernels.MAX_SINGLE_PASS_D`` wide are held in registers (several
 narrow rows, such as heads of 64-256, per program); wider rows are walked in chunks.
+The kernels run behind the custom ops ``fla::l2norm_fwd`` / ``fla::l2norm_bwd``, so that
+``torch.compile`` traces through them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from fla.modules import layernorm_kernels as rows
 from fla.modules.layernorm import check_eps
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import FLOAT_DTYPES, check_tensor
 
@@ -139,17 +142,28 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.T
     return dx.view(shape)
 
 
-class L2NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, eps, output_dtype):
-        y, rstd = l2norm_fwd(x, eps, output_dtype)
-        ctx.save_for_backward(x, rstd)
-        return y
+# The Triton forward and backward as the custom ops fla::l2norm_fwd / fla::l2norm_bwd (one
+# node each under torch.compile; their fakes are the launchers with the launches
+# skipped), joined by the autograd formula below.
+_l2norm_fwd_op = stage_op("l2norm_fwd", l2norm_fwd, label="l2norm.fwd",
+                          schema="(Tensor x, float eps, ScalarType? output_dtype) "
+                                 "-> (Tensor, Tensor)")
+_l2norm_bwd_op = stage_op("l2norm_bwd", l2norm_bwd, label="l2norm.bwd",
+                          schema="(Tensor x, Tensor rstd, Tensor dy) -> Tensor")
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, rstd = ctx.saved_tensors
-        return l2norm_bwd(x, rstd, dy), None, None
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    # rstd is an output only for the backward: no zeros for its gradient.
+    ctx.set_materialize_grads(False)
+
+
+def _backward_formula(ctx, dy, _drstd):
+    x, rstd = ctx.saved_tensors
+    return None if dy is None else _l2norm_bwd_op(x, rstd, dy), None, None
+
+
+_l2norm_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def _l2norm_torch(x, eps, output_dtype):
@@ -179,9 +193,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS,
     output_dtype = output_dtype or x.dtype
     if x.numel() == 0 or select_backend(x) is Backend.TORCH:
         return _l2norm_torch(x, eps, output_dtype)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return L2NormFunction.apply(x, eps, output_dtype)
-    return l2norm_fwd(x, eps, output_dtype)[0]
+    return _l2norm_fwd_op(x, eps, output_dtype)[0]
 
 
 l2_norm = l2norm

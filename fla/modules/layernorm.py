@@ -11,7 +11,8 @@ outputs. Statistics are computed in fp32; y comes back in x's dtype.
 
 Triton kernels on CUDA (``fla.modules.layernorm_kernels``, shared with the gated norms of
 ``fla.modules.fused_norm_gate``), a PyTorch path on CPU, the kernels again on CPU under
-``TRITON_INTERPRET=1``.
+``TRITON_INTERPRET=1``. The kernels run behind the custom ops ``fla::norm_fwd`` /
+``fla::norm_bwd``, so that ``torch.compile`` traces through them.
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import torch.nn as nn
 
 from fla.modules.layernorm_kernels import ACTIVATIONS, norm_bwd, norm_fwd
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import present, stage_op
 from fla.utils.validation import check_same_device, check_tensor
 
 __all__ = [
     "RMSNorm", "LayerNorm", "GroupNorm", "rms_norm", "layer_norm", "group_norm",
-    "LayerNormFunction", "normalize",
+    "normalize",
 ]
 
 
@@ -126,57 +128,70 @@ def _rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, width).contiguous()
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd over :func:`norm_fwd` / :func:`norm_bwd`; inputs already validated.
-
-    Returns y, or ``(y, residual_out)`` when ``residual_dtype`` is given.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
-                residual_dtype):
-        shape, width = x.shape, x.shape[-1]
-        x2, residual2, g2 = _rows(x, width), _rows(residual, width), _rows(g, width)
-        weight = None if weight is None else weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        y, residual_out, mean, rstd = norm_fwd(x2, weight, bias, residual2, g2, eps,
-                                               num_groups, is_rms_norm, activation,
-                                               residual_dtype)
-        # Backward normalises what the forward normalised: residual_out when stored (it
-        # is x + residual), else x itself.
-        ctx.save_for_backward(x2 if residual_out is None else residual_out, weight, bias, g2,
-                              mean, rstd)
-        ctx.meta = (shape, num_groups, is_rms_norm, activation, x.dtype,
-                    None if residual is None else residual.dtype)
-        # An output the loss does not use gets None, not a tensor of zeros.
-        ctx.set_materialize_grads(False)
-        if residual_out is None:
-            return y.view(shape)
-        return y.view(shape), residual_out.view(shape)
-
-    @staticmethod
-    def backward(ctx, dy, dresidual_out=None):
-        s, weight, bias, g2, mean, rstd = ctx.saved_tensors
-        shape, num_groups, is_rms_norm, activation, x_dtype, residual_dtype = ctx.meta
-        width = shape[-1]
-        if dy is None:  # only residual_out reached the loss
-            dy = torch.zeros(s.shape, dtype=x_dtype, device=s.device)
-        dx, dresidual, dg, dweight, dbias = norm_bwd(
-            _rows(dy, width), s, weight, bias, g2, mean, rstd, _rows(dresidual_out, width),
-            num_groups, is_rms_norm, activation, x_dtype, residual_dtype)
-        view = (lambda t: None if t is None else t.view(shape))
-        return (view(dx), dweight, dbias, view(dresidual), view(dg),
-                None, None, None, None, None)
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
-def _norm_no_grad(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
-                  residual_dtype):
+# The kernels as the custom ops fla::norm_fwd / fla::norm_bwd (one node each under
+# torch.compile; their fakes are the launchers with the launches skipped), joined by the
+# autograd formula below. They take rows: ``[N, G·D]`` contiguous, shaped outside.
+_norm_fwd_op = stage_op(
+    "norm_fwd", norm_fwd, label="norm.fwd",
+    schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? g, float eps, "
+           "int num_groups, bool is_rms_norm, int activation, ScalarType? residual_dtype) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+_norm_bwd_op = stage_op(
+    "norm_bwd", norm_bwd, label="norm.bwd",
+    schema="(Tensor dy, Tensor s, Tensor? weight, Tensor? bias, Tensor? g, Tensor? mean, "
+           "Tensor rstd, Tensor? dresidual_out, int num_groups, bool is_rms_norm, "
+           "int activation, ScalarType x_dtype, ScalarType? residual_dtype) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, g, _, num_groups, is_rms_norm, activation, residual_dtype \
+        = inputs
+    _, residual_out, mean, rstd = output
+    # Backward normalises what the forward normalised: residual_out when stored (it is
+    # x + residual), else x itself.
+    ctx.save_for_backward(x if residual_dtype is None else residual_out, weight, bias, g,
+                          present(mean, not is_rms_norm), rstd)
+    ctx.meta = (num_groups, is_rms_norm, activation, x.dtype,
+                None if residual is None else residual.dtype, residual_dtype is not None)
+    # An output the loss does not use gets None, not a tensor of zeros.
+    ctx.set_materialize_grads(False)
+
+
+def _backward_formula(ctx, dy, dresidual_out, _dmean, _drstd):
+    s, weight, bias, g, mean, rstd = ctx.saved_tensors
+    num_groups, is_rms_norm, activation, x_dtype, dresidual_dtype, stores_residual = ctx.meta
+    if dy is None:  # only residual_out reached the loss
+        dy = torch.zeros(s.shape, dtype=x_dtype, device=s.device)
+    # residual_out's gradient exists only if the forward returned it (else it is the
+    # gradient of a placeholder).
+    dresidual_out = (dresidual_out.contiguous()
+                     if stores_residual and dresidual_out is not None else None)
+    dx, dresidual, dg, dweight, dbias = _norm_bwd_op(
+        dy.contiguous(), s, weight, bias, g, mean, rstd, dresidual_out, num_groups,
+        is_rms_norm, activation, x_dtype, dresidual_dtype)
+    return (dx, present(dweight, weight is not None), present(dbias, bias is not None),
+            present(dresidual, dresidual_dtype is not None), present(dg, g is not None),
+            None, None, None, None, None)
+
+
+_norm_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _norm_triton(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
+                 residual_dtype):
+    """The Triton path through fla::norm_fwd: ``(y, residual_out or None)`` shaped like x."""
     shape, width = x.shape, x.shape[-1]
-    y, residual_out, _, _ = norm_fwd(
-        _rows(x, width), None if weight is None else weight.contiguous(),
-        None if bias is None else bias.contiguous(), _rows(residual, width), _rows(g, width),
-        eps, num_groups, is_rms_norm, activation, residual_dtype)
-    return y.view(shape), None if residual_out is None else residual_out.view(shape)
+    y, residual_out, _, _ = _norm_fwd_op(
+        _rows(x, width), _contiguous(weight), _contiguous(bias), _rows(residual, width),
+        _rows(g, width), eps, num_groups, is_rms_norm, activation, residual_dtype)
+    if residual_dtype is None:
+        return y.view(shape), None
+    return y.view(shape), residual_out.view(shape)
 
 
 # ------------------------------------------------------------------------ entry point
@@ -217,16 +232,9 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if x.numel() == 0 or select_backend(x, weight, bias, residual, g) is Backend.TORCH:
         y, residual_out = _norm_torch(x, weight, bias, residual, g, eps, num_groups,
                                       bool(is_rms_norm), code, residual_dtype)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                         for t in (x, weight, bias, residual, g)):
-        out = LayerNormFunction.apply(x, weight, bias, residual, g, eps, num_groups,
-                                      bool(is_rms_norm), code, residual_dtype)
-        y, residual_out = (out, None) if residual_dtype is None else out
     else:
-        # Inference: the kernels alone, without autograd's bookkeeping (host time that
-        # shows at small sizes).
-        y, residual_out = _norm_no_grad(x, weight, bias, residual, g, eps, num_groups,
-                                        bool(is_rms_norm), code, residual_dtype)
+        y, residual_out = _norm_triton(x, weight, bias, residual, g, eps, num_groups,
+                                       bool(is_rms_norm), code, residual_dtype)
     if not prenorm:
         return y
     return y, (x if residual_out is None else residual_out)

@@ -6,7 +6,8 @@
 Chunks are ``chunk_size`` consecutive tokens counted from the start of each sequence
 (from every ``cu_seqlens`` boundary in a packed batch); the last chunk of a sequence
 may be partial. Its gradient is the same sum in the other direction
-(:func:`chunk_local_cumsum_bwd`).
+(:func:`chunk_local_cumsum_bwd`). The kernel runs behind the custom op
+``fla::chunk_local_cumsum``, so that ``torch.compile`` traces through it.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import prepare_chunk_indices, prepare_token_chunk_positions
 from fla.utils.backend import Backend, select_backend
+from fla.utils.custom_ops import stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     FLOAT_DTYPES,
@@ -29,8 +31,7 @@ from fla.utils.validation import (
     token_layout,
 )
 
-__all__ = ["chunk_local_cumsum", "chunk_local_cumsum_fwd", "chunk_local_cumsum_bwd",
-           "ChunkLocalCumsumFunction"]
+__all__ = ["chunk_local_cumsum", "chunk_local_cumsum_fwd", "chunk_local_cumsum_bwd"]
 
 # Largest chunk we accept: a chunk is one tile column of the kernel (BT rows), and a
 # program holds BT x BS values in registers.
@@ -149,8 +150,10 @@ def check_chunk_indices(chunk_indices, cu_seqlens, device) -> None:
         raise ValueError(f"chunk_indices: expected device {device}, got {chunk_indices.device}")
 
 
-def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, offsets, head_first,
-                   output_dtype, chunk_indices):
+def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, head_first, output_dtype,
+                   chunk_indices):
+    """The launch, on chunk_indices built beforehand under varlen (a host read of the
+    offsets: never inside the op)."""
     g = g.contiguous()
     B = g.shape[0]
     T = g.shape[2] if head_first else g.shape[1]
@@ -160,17 +163,46 @@ def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, offsets, head_firs
     if not head_first:
         # Time-major: heads and channels of one token are contiguous, one wide axis.
         H, S = 1, H * S
-    if cu_seqlens is not None:
-        if chunk_indices is None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
-        NT = chunk_indices.shape[0]
-    else:
-        NT = triton.cdiv(T, chunk_size)
+    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     chunk_local_cumsum_kernel[lambda meta: (NT, triton.cdiv(S, meta["BS"]), B * H)](
         g, o, 1.0 if scale is None else float(scale), cu_seqlens, chunk_indices, T,
         H=H, S=S, BT=chunk_size, REVERSE=bool(reverse), HAS_SCALE=scale is not None,
         IS_VARLEN=cu_seqlens is not None, HEAD_FIRST=bool(head_first))
     return o
+
+
+# Packed sequences' offsets are read on the host (validated, then the chunk list that
+# sizes the grid is built from them, once per tensor: both cached). Under torch.compile
+# these calls run eagerly, a graph break before the op, so that the graph holds no guard
+# on the offsets' values: a compiled caller would recompile for every batch.
+_host_offsets = torch.compiler.disable(check_cu_seqlens)
+_chunk_list = torch.compiler.disable(prepare_chunk_indices)
+
+
+# The kernel as the custom op fla::chunk_local_cumsum (one node under torch.compile; its
+# fake is the launcher with the launch skipped). Its gradient is the same op summing the
+# other way, in the input's dtype.
+_cumsum_op = stage_op(
+    "chunk_local_cumsum", _cumsum_triton, label="chunk_local_cumsum",
+    schema="(Tensor g, int chunk_size, bool reverse, float? scale, Tensor? cu_seqlens, "
+           "bool head_first, ScalarType output_dtype, Tensor? chunk_indices) -> Tensor")
+
+
+def _setup_context(ctx, inputs, output):
+    g, chunk_size, reverse, scale, cu_seqlens, head_first, _, chunk_indices = inputs
+    ctx.save_for_backward(cu_seqlens, chunk_indices)
+    ctx.args = (chunk_size, reverse, scale, head_first, g.dtype)
+
+
+def _backward_formula(ctx, do):
+    cu_seqlens, chunk_indices = ctx.saved_tensors
+    chunk_size, reverse, scale, head_first, g_dtype = ctx.args
+    dg = _cumsum_op(do, chunk_size, not reverse, scale, cu_seqlens, head_first, g_dtype,
+                    chunk_indices)
+    return dg, None, None, None, None, None, None, None
+
+
+_cumsum_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def _cumsum_torch(g, chunk_size, reverse, scale, offsets, head_first, output_dtype):
@@ -205,8 +237,10 @@ def chunk_local_cumsum_fwd(g, chunk_size, reverse=False, scale=None, cu_seqlens=
         if cu_seqlens is not None and offsets is None:
             offsets = cu_seqlens.tolist()
         return _cumsum_torch(g, chunk_size, reverse, scale, offsets, head_first, output_dtype)
-    return _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, offsets, head_first,
-                          output_dtype, chunk_indices)
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = _chunk_list(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
+    return _cumsum_op(g, chunk_size, reverse, scale, cu_seqlens, head_first, output_dtype,
+                      chunk_indices)
 
 
 def chunk_local_cumsum_bwd(do, chunk_size, reverse=False, scale=None, cu_seqlens=None,
@@ -222,27 +256,6 @@ def chunk_local_cumsum_bwd(do, chunk_size, reverse=False, scale=None, cu_seqlens
                                   cu_seqlens=cu_seqlens, head_first=head_first,
                                   output_dtype=output_dtype, chunk_indices=chunk_indices,
                                   offsets=offsets)
-
-
-class ChunkLocalCumsumFunction(torch.autograd.Function):
-    """Differentiable chunk-local cumsum on the Triton path."""
-
-    @staticmethod
-    def forward(ctx, g, chunk_size, reverse, scale, cu_seqlens, head_first, output_dtype,
-                chunk_indices, offsets):
-        ctx.args = (chunk_size, reverse, scale, head_first, offsets)
-        ctx.g_dtype = g.dtype
-        ctx.save_for_backward(cu_seqlens, chunk_indices)
-        return chunk_local_cumsum_fwd(g, chunk_size, reverse, scale, cu_seqlens, head_first,
-                                      output_dtype, chunk_indices, offsets)
-
-    @staticmethod
-    def backward(ctx, do):
-        chunk_size, reverse, scale, head_first, offsets = ctx.args
-        cu_seqlens, chunk_indices = ctx.saved_tensors
-        dg = chunk_local_cumsum_bwd(do, chunk_size, reverse, scale, cu_seqlens, head_first,
-                                    ctx.g_dtype, chunk_indices, offsets)
-        return dg, None, None, None, None, None, None, None, None
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False,
@@ -279,12 +292,10 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False,
     chunk_size = _check_chunk_size(chunk_size)
     scale = check_scale(scale, None)
     _check_output_dtype(output_dtype)
-    offsets = check_cu_seqlens(cu_seqlens, T=dims["T"], B=dims["B"])
+    offsets = None if cu_seqlens is None else _host_offsets(cu_seqlens, T=dims["T"],
+                                                             B=dims["B"])
     if cu_seqlens is not None:
         check_same_device(g=g, cu_seqlens=cu_seqlens)
     check_chunk_indices(chunk_indices, cu_seqlens, g.device)
-    args = (g, chunk_size, bool(reverse), scale, cu_seqlens, bool(head_first), output_dtype,
-            chunk_indices, offsets)
-    if select_backend(g) is Backend.TRITON and g.requires_grad and torch.is_grad_enabled():
-        return ChunkLocalCumsumFunction.apply(*args)
-    return chunk_local_cumsum_fwd(*args)
+    return chunk_local_cumsum_fwd(g, chunk_size, bool(reverse), scale, cu_seqlens,
+                                  bool(head_first), output_dtype, chunk_indices, offsets)
