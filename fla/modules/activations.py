@@ -126,14 +126,16 @@ def _swiglu_packed_bwd(gu: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 # launchers with the launches skipped): fla::swiglu_fwd / _bwd on (gate, up), and
 # fla::swiglu_packed_fwd / _bwd on the [..., 2I] tensor holding both halves.
 _swiglu_fwd_op = stage_op("swiglu_fwd", _swiglu_fwd, label="swiglu.fwd",
-                          schema="(Tensor g, Tensor u) -> Tensor")
+                          schema="(Tensor g, Tensor u) -> Tensor", ahead=False)
 _swiglu_bwd_op = stage_op("swiglu_bwd", _swiglu_bwd, label="swiglu.bwd",
-                          schema="(Tensor g, Tensor u, Tensor dy) -> (Tensor, Tensor)")
+                          schema="(Tensor g, Tensor u, Tensor dy) -> (Tensor, Tensor)",
+                          ahead=False)
 _swiglu_packed_fwd_op = stage_op("swiglu_packed_fwd", _swiglu_packed_fwd,
-                                 label="swiglu_packed.fwd", schema="(Tensor gu) -> Tensor")
+                                 label="swiglu_packed.fwd", schema="(Tensor gu) -> Tensor",
+                                 ahead=False)
 _swiglu_packed_bwd_op = stage_op("swiglu_packed_bwd", _swiglu_packed_bwd,
                                  label="swiglu_packed.bwd",
-                                 schema="(Tensor gu, Tensor dy) -> Tensor")
+                                 schema="(Tensor gu, Tensor dy) -> Tensor", ahead=False)
 
 
 def _save_inputs(ctx, inputs, output):

@@ -355,12 +355,12 @@ _conv_fwd_op = stage_op(
     "causal_conv1d_fwd", _conv_fwd_triton, label="causal_conv1d.fwd",
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? h0, bool output_final_state, "
            "str? activation, Tensor? cu_seqlens, Tensor? chunk_indices, int N) "
-           "-> (Tensor, Tensor)")
+           "-> (Tensor, Tensor)", ahead=False)
 _conv_bwd_op = stage_op(
     "causal_conv1d_bwd", _conv_bwd_triton, label="causal_conv1d.bwd",
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? h0, Tensor dy, Tensor? dht, "
            "str? activation, Tensor? cu_seqlens, Tensor? chunk_indices, int N, "
-           "bool need_dh0) -> (Tensor, Tensor, Tensor, Tensor)")
+           "bool need_dh0) -> (Tensor, Tensor, Tensor, Tensor)", ahead=False)
 
 
 def _setup_context(ctx, inputs, output):

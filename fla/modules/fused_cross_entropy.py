@@ -135,11 +135,11 @@ def _ce_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
 _ce_fwd_op = stage_op(
     "cross_entropy_fwd", _ce_fwd, label="cross_entropy.fwd",
     schema="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
-           "float logit_scale) -> (Tensor, Tensor)")
+           "float logit_scale) -> (Tensor, Tensor)", ahead=False)
 _ce_bwd_op = stage_op(
     "cross_entropy_bwd", _ce_bwd, label="cross_entropy.bwd",
     schema="(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, int ignore_index, "
-           "float label_smoothing, float logit_scale) -> Tensor")
+           "float label_smoothing, float logit_scale) -> Tensor", ahead=False)
 
 
 def _setup_context(ctx, inputs, output):

@@ -228,12 +228,12 @@ _lce_fwd_op = stage_op(
     "linear_cross_entropy_fwd", _lce_fwd, label="linear_cross_entropy.fwd",
     schema=f"(Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor count, {_OPTIONS}, "
            "str reduction, int rows, bool need_dx, bool need_dw, bool need_db) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", ahead=False)
 _lce_bwd_op = stage_op(
     "linear_cross_entropy_bwd", _lce_bwd, label="linear_cross_entropy.bwd",
     schema=f"(Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor lse, "
            f"Tensor grad_rows, {_OPTIONS}, int rows, bool need_dx, bool need_dw, "
-           "bool need_db) -> (Tensor, Tensor, Tensor)")
+           "bool need_db) -> (Tensor, Tensor, Tensor)", ahead=False)
 
 
 def _setup_context(ctx, inputs, output):

@@ -147,9 +147,9 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.T
 # skipped), joined by the autograd formula below.
 _l2norm_fwd_op = stage_op("l2norm_fwd", l2norm_fwd, label="l2norm.fwd",
                           schema="(Tensor x, float eps, ScalarType? output_dtype) "
-                                 "-> (Tensor, Tensor)")
+                                 "-> (Tensor, Tensor)", ahead=False)
 _l2norm_bwd_op = stage_op("l2norm_bwd", l2norm_bwd, label="l2norm.bwd",
-                          schema="(Tensor x, Tensor rstd, Tensor dy) -> Tensor")
+                          schema="(Tensor x, Tensor rstd, Tensor dy) -> Tensor", ahead=False)
 
 
 def _setup_context(ctx, inputs, output):

@@ -139,13 +139,13 @@ _norm_fwd_op = stage_op(
     "norm_fwd", norm_fwd, label="norm.fwd",
     schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? g, float eps, "
            "int num_groups, bool is_rms_norm, int activation, ScalarType? residual_dtype) "
-           "-> (Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor)", ahead=False)
 _norm_bwd_op = stage_op(
     "norm_bwd", norm_bwd, label="norm.bwd",
     schema="(Tensor dy, Tensor s, Tensor? weight, Tensor? bias, Tensor? g, Tensor? mean, "
            "Tensor rstd, Tensor? dresidual_out, int num_groups, bool is_rms_norm, "
            "int activation, ScalarType x_dtype, ScalarType? residual_dtype) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", ahead=False)
 
 
 def _setup_context(ctx, inputs, output):

@@ -77,21 +77,41 @@ class StageOp:
     run the identical step, setup and backward functions.
     """
 
-    def __init__(self, name: str, step: Callable, schema: str, label: str) -> None:
-        self.name, self.step, self.label = name, step, label
+    def __init__(self, name: str, step: Callable, schema: str, label: str,
+                 ahead: bool = True) -> None:
+        self.name, self.step, self.label, self.ahead = name, step, label, ahead
 
         def fake(*args):
             with compile_ahead.launches_skipped():
                 return _as_outputs(step(*args), args)
 
-        self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", self.run, mutates_args=(),
+        def real(*args):
+            return _as_outputs(self._step(*args), args)
+
+        self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(),
                                           schema=schema)
         self.op.register_fake(fake)
         self._function: type | None = None
 
+    def _step(self, *args):
+        if self.ahead:  # compile ahead at new argument types
+            return compile_ahead.run(self.label, self.step, *args)
+        return self.step(*args)
+
     def run(self, *args):
-        """The step itself (compile ahead at new argument types), outputs as the op's."""
-        return _as_outputs(compile_ahead.run(self.label, self.step, *args), args)
+        """The step in eager mode: outputs as the op's, placeholders for None (an output
+        may alias an input here: autograd.Function allows it, only the op may not)."""
+        outputs = self._step(*args)
+        if isinstance(outputs, torch.Tensor):
+            return outputs
+        device = None
+        fixed = []
+        for t in outputs:
+            if t is None:
+                device = device or _device_of(args)
+                t = torch.empty(0, device=device)
+            fixed.append(t)
+        return tuple(fixed)
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """The op's autograd formula (``torch.library`` conventions), used by both ways.
@@ -125,7 +145,8 @@ class StageOp:
         return self.run(*args)
 
 
-def stage_op(name: str, step: Callable, schema: str, label: str | None = None) -> StageOp:
+def stage_op(name: str, step: Callable, schema: str, label: str | None = None,
+             ahead: bool = True) -> StageOp:
     """Register ``step`` (host code chaining Triton stages) as the custom op
     ``fla::name`` with the given schema (``"(Tensor q, ..., float scale) -> (Tensor,
     Tensor)"``) and a fake implementation derived from the step.
@@ -134,8 +155,10 @@ def stage_op(name: str, step: Callable, schema: str, label: str | None = None) -
     (``label`` names it there; default ``name``). Returns a :class:`StageOp`: call it
     with the schema's arguments; ``None`` outputs come back as empty placeholders (see
     :func:`present`); give it an autograd formula with ``register_autograd``.
+    ``ahead=False`` for steps of one or two small kernels (the modules): nothing worth
+    compiling side by side, and no per-call signature for compile ahead to compute.
     """
-    return StageOp(name, step, schema, label or name)
+    return StageOp(name, step, schema, label or name, ahead)
 
 
 def present(t: torch.Tensor, exists: bool) -> torch.Tensor | None:

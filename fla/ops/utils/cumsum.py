@@ -185,7 +185,8 @@ _chunk_list = torch.compiler.disable(prepare_chunk_indices)
 _cumsum_op = stage_op(
     "chunk_local_cumsum", _cumsum_triton, label="chunk_local_cumsum",
     schema="(Tensor g, int chunk_size, bool reverse, float? scale, Tensor? cu_seqlens, "
-           "bool head_first, ScalarType output_dtype, Tensor? chunk_indices) -> Tensor")
+           "bool head_first, ScalarType output_dtype, Tensor? chunk_indices) -> Tensor",
+           ahead=False)
 
 
 def _setup_context(ctx, inputs, output):
