@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from tests.helpers import assert_rel_close, generator
-from tests.layers.test_layers import LAYERS, RECURRENT, inputs, make
+from tests.helpers import assert_rel_close, rel_error
+from tests.layers.test_layers import RECURRENT, inputs, make
 
 COMPILED_LAYERS = [n for n in RECURRENT if n != "retention_conv"] + ["attention"]
 
@@ -45,19 +45,25 @@ def test_layer_triton_path_compiles_fullgraph(name, seed, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", COMPILED_LAYERS)
 def test_layer_compiles_fullgraph_gpu(name, seed, monkeypatch):
+    """bf16, compiled with inductor, is as accurate as bf16 eager: both against the same
+    layer in fp32 (eager and compiled bf16 round different intermediates, so they differ
+    from each other by bf16's own error, ~1e-2 on the RWKV layers)."""
     monkeypatch.delenv("FLA_BACKEND", raising=False)
     torch._dynamo.reset()
-    layer = make(name).to("cuda", torch.bfloat16)
-    x = inputs(seed, 2, 300).to("cuda", torch.bfloat16)
-    expected = _fwd_bwd(layer, x)
+    reference = make(name).to("cuda")
+    layer = copy.deepcopy(reference).to(torch.bfloat16)
+    x = inputs(seed, 2, 300).to("cuda")
+    expected = _fwd_bwd(reference, x)
+    eager = _fwd_bwd(layer, x.to(torch.bfloat16))
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True)
-    got = _fwd_bwd(compiled, x)
+    got = _fwd_bwd(compiled, x.to(torch.bfloat16))
     names = ["output", "dx"] + [n for n, _ in layer.named_parameters()]
-    for n, a, b in zip(names, got, expected):
-        assert (a is None) == (b is None), n
+    for n, a, e, ref in zip(names, got, eager, expected):
+        assert (a is None) == (ref is None), n
         if a is not None:
-            # Inductor fuses the layer's elementwise glue differently: bf16 rounding.
-            assert_rel_close(n, a, b, 2e-2)
+            bound = 2 * rel_error(e, ref) + 1e-3
+            assert rel_error(a, ref) <= bound, f"{n}: compiled {rel_error(a, ref):.3e}, " \
+                                                f"eager {rel_error(e, ref):.3e}"
     # A second call with another length neither breaks nor changes the values.
     x2 = inputs(seed + 1, 2, 170).to("cuda", torch.bfloat16)
-    assert_rel_close("output, new length", compiled(x2)[0], layer(x2)[0], 2e-2)
+    assert_rel_close("output, new length", compiled(x2)[0], layer(x2)[0], 5e-2)
