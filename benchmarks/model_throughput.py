@@ -54,19 +54,31 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train_tokens_per_s(net, device: str, batch: int, length: int, steps: int) -> dict:
+def training_step(net, device: str, batch: int, length: int):
+    """A closure running one training step (forward + backward + AdamW under bf16
+    autocast on the GPU) on a fixed random batch; returns the loss."""
     vocab = net.config.vocab_size
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
     ids = torch.randint(0, vocab, (batch, length), device=device)
-    times = []
-    for i in range(steps + 3):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def step():
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = net(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def train_tokens_per_s(net, device: str, batch: int, length: int, steps: int) -> dict:
+    step_fn = training_step(net, device, batch, length)
+    times = []
+    for i in range(steps + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step_fn()
         sync(device)
         if i >= 3:  # the first steps compile kernels and warm the allocator
             times.append(time.perf_counter() - t0)
@@ -81,17 +93,7 @@ def profile_train_step(net, device: str, batch: int, length: int, top: int = 30)
     timed ones), kernels grouped by name, longest first; printed as a table."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = net.config.vocab_size
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, vocab, (batch, length), device=device)
-
-    def step():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = training_step(net, device, batch, length)
     step()
     sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -125,17 +127,7 @@ def profile_host(net, device: str, batch: int, length: int, steps: int = 3,
     import io
     import pstats
 
-    vocab = net.config.vocab_size
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, vocab, (batch, length), device=device)
-
-    def step():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = training_step(net, device, batch, length)
     step()
     sync(device)
     profiler = cProfile.Profile()
