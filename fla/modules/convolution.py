@@ -35,9 +35,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
-from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import _traced, present, stage_op
+from fla.utils.custom_ops import decode_op, present, stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -386,21 +385,12 @@ def _backward_formula(ctx, dy, dht):
 _conv_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
-def _fake_update(*args):
-    with compile_ahead.launches_skipped():
-        return _conv_update_triton(*args)
-
-
-# The decoding step as fla::causal_conv1d_update. It writes the cache in place, declared
-# as a mutation (``Tensor(a!)``): a functional op would return a new cache and add a read
-# and a write of it to a step that moves little else. Its fake is the launcher with the
-# launch skipped, and eager calls skip the op's dispatch (tens of us of host time a
-# step), as for stage_op, which registers functional ops only.
-_conv_update_op = torch.library.custom_op(
-    "fla::causal_conv1d_update", _conv_update_triton, mutates_args=("cache",),
+# The decoding step as fla::causal_conv1d_update, writing the cache in place (see
+# fla.utils.custom_ops.decode_op).
+_conv_update = decode_op(
+    "causal_conv1d_update", _conv_update_triton, mutates="cache",
     schema="(Tensor x, Tensor(a!) cache, Tensor weight, Tensor? bias, str? activation) "
            "-> Tensor")
-_conv_update_op.register_fake(_fake_update)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -607,7 +597,7 @@ def causal_conv1d_update(
         return y.to(x.dtype).view(shape), cache
 
     args = (x.contiguous(), cache, weight.contiguous(), _contiguous(bias), activation)
-    y = _conv_update_op(*args) if _traced(args) else _conv_update_triton(*args)
+    y = _conv_update(*args)
     return y.view(shape), cache
 
 

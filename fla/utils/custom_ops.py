@@ -25,7 +25,7 @@ import torch
 
 from fla.utils import compile_ahead
 
-__all__ = ["stage_op", "present", "grads_for"]
+__all__ = ["stage_op", "decode_op", "present", "grads_for", "upstream_grads", "StageOp"]
 
 NAMESPACE = "fla"
 
@@ -55,7 +55,7 @@ def _as_outputs(outs: Any, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | to
     return fixed[0] if single else tuple(fixed)
 
 
-def _traced(args: Sequence[Any]) -> bool:
+def traced(args: Sequence[Any]) -> bool:
     """Whether this call is being traced (torch.compile, export, or a tensor subclass such
     as FakeTensor or FunctionalTensor in the arguments): then the registered op must
     be called, as the tracer needs it."""
@@ -137,7 +137,7 @@ class StageOp:
         self._function = Eager
 
     def __call__(self, *args):
-        if _traced(args):
+        if traced(args):
             return self.op(*args)
         if self._function is not None and torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -161,9 +161,50 @@ def stage_op(name: str, step: Callable, schema: str, label: str | None = None,
     return StageOp(name, step, schema, label or name, ahead)
 
 
+def decode_op(name: str, step: Callable, schema: str, mutates: str,
+              label: str | None = None) -> Callable:
+    """Register a decoding step that updates a state or cache in place (declared in
+    ``schema`` as ``Tensor(a!)``, named by ``mutates``) as the custom op ``fla::name``,
+    without autograd. A functional op would return a new state and add a read and a
+    write of it to a step bound by exactly that traffic.
+
+    Returns a function of the schema's arguments: under tracing it calls the op (one node,
+    capturable in a CUDA graph); in eager mode it runs the step directly (through compile
+    ahead when ``label`` is given), without the dispatcher's host time. The fake is the
+    step with its launches skipped, as for :func:`stage_op`."""
+
+    def real(*args):
+        return compile_ahead.run(label, step, *args) if label else step(*args)
+
+    def fake(*args):
+        with compile_ahead.launches_skipped():
+            return step(*args)
+
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(mutates,),
+                                 schema=schema)
+    op.register_fake(fake)
+
+    def call(*args):
+        return op(*args) if traced(args) else real(*args)
+
+    call.op = op
+    return call
+
+
 def present(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
     """An op output mapped back: ``t`` if the step produced it, else None."""
     return t if exists else None
+
+
+def upstream_grads(do: torch.Tensor | None, dht: torch.Tensor | None, like: torch.Tensor,
+                   has_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output and final-state gradients as a recurrent op's backward step takes them:
+    ``do`` contiguous (zeros shaped like ``like`` when the loss did not reach the output)
+    and ``dht`` contiguous, or None when the forward returned no final state (then it is
+    a placeholder's gradient) or the loss did not reach it."""
+    do = torch.zeros_like(like) if do is None else do.contiguous()
+    dht = dht.contiguous() if has_final_state and dht is not None else None
+    return do, dht
 
 
 def grads_for(inputs: Sequence[Any], grads: dict[int, torch.Tensor]) -> tuple:

@@ -32,7 +32,7 @@ from fla.modules.l2norm import l2norm as fused_l2norm
 from fla.ops.utils.l2norm import l2norm
 from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 
 CHUNK_SIZE = 64
@@ -98,9 +98,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, do, _dg_cum, _dA, dht):
     saved = ctx.saved_tensors
-    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-    # The final state's gradient exists only if the forward returned one.
-    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
             present(dh0, saved[6] is not None), None, None, None, None)

@@ -68,7 +68,7 @@ from fla.ops.common.fused_recurrent_tiles import (
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.tuning import tuned
 
 # The forward also tries V tiles of 128 (the other families stop at 64).
@@ -457,10 +457,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, do, dht, _du):
     q, k, v, g, beta, u, initial_state, ht, cu_seqlens = ctx.saved_tensors
-    do = torch.zeros_like(v) if do is None else do.contiguous()
-    # The final state's gradient exists only if the forward returned one (else the
-    # gradient of a placeholder).
-    dht = dht.contiguous() if ht is not None and dht is not None else None
+    do, dht = upstream_grads(do, dht, v, ht is not None)
     dq, dk, dv, dg, dbeta, dh0 = _fused_bwd(
         q, k, v, g, beta, u, ctx.scale, initial_state, do, dht, ht, cu_seqlens, ctx.N,
         ctx.use_qk_l2norm, ctx.needs_input_grad[6], ctx.delta)

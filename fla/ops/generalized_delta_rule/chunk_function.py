@@ -25,7 +25,7 @@ from fla.ops.generalized_delta_rule.inputs import DPLRInputs
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.solve_tril import solve_tril_fwd
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 
 
 def _forward(q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
@@ -77,9 +77,7 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, do, dht, *_):
     (q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht, cu_seqlens,
      chunk_indices) = ctx.saved_tensors
-    do = torch.zeros_like(v) if do is None else do.contiguous()
-    # The final state's gradient exists only if the forward returned one.
-    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    do, dht = upstream_grads(do, dht, v, ctx.output_final_state)
     *grads, dh0 = _chunk_bwd(q, k, v, a, b, gk, initial_state, Aqk, Aqb, Aak, Ai, h, u, ht,
                              do, dht, ctx.scale, cu_seqlens, chunk_indices, ctx.offsets, ctx.N)
     return (*grads, present(dh0, initial_state is not None), None, None, None, None, None,

@@ -43,7 +43,7 @@ from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
 from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.tuning import tuned
 
 
@@ -241,10 +241,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, do, dht, _ds):
     q, k, v, a, b, gk, s, initial_state, ht, cu_seqlens = ctx.saved_tensors
-    do = torch.zeros_like(v) if do is None else do.contiguous()
-    # The final state's gradient exists only if the forward returned one (else the
-    # gradient of a placeholder).
-    dht = dht.contiguous() if ht is not None and dht is not None else None
+    do, dht = upstream_grads(do, dht, v, ht is not None)
     need_dh0 = ctx.needs_input_grad[7]
     *grads, dh0 = _fused_bwd(q, k, v, a, b, gk, s, ctx.scale, initial_state, do, dht, ht,
                              cu_seqlens, ctx.N, need_dh0)

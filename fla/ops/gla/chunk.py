@@ -27,7 +27,7 @@ from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import chunk_gla_torch
 from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_gla", "chunk_gla_on_inputs"]
@@ -90,9 +90,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, do, dht, _dg_cum, _dA):
     saved = ctx.saved_tensors
-    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-    # The final state's gradient exists only if the forward returned one.
-    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, du, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.exclusive)
     return (dq, dk, dv, dg, present(du, saved[4] is not None),
             present(dh0, saved[7] is not None), None, None, None, None, None, None, None)

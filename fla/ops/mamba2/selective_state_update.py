@@ -32,9 +32,8 @@ import triton.language as tl
 # sum in the interpreter instead of a traced @jit call (same code on the GPU).
 from triton.language.standard import _sum_combine
 
-from fla.utils import compile_ahead
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import _traced
+from fla.utils.custom_ops import decode_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     INDEX_DTYPES,
@@ -318,28 +317,14 @@ def _triton_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
     return y
 
 
-# The step as the custom op ``fla::selective_state_update`` (one node under torch.compile;
-# a decode loop can be captured in a CUDA graph). It writes the state in place, declared
-# as a mutation (``Tensor(a!)``): returning a new state instead would add a read and a
-# write of the state to a step bound by exactly that traffic. No autograd: decoding only.
-# Its fake is the step with the launch skipped, and eager calls skip the op's dispatch
-# (tens of µs of host time), as for fla.utils.custom_ops.stage_op, which registers
-# functional ops only.
-def _run_step(*args):
-    return compile_ahead.run("mamba2.selective_state_update", _triton_step, *args)
-
-
-def _fake_step(*args):
-    with compile_ahead.launches_skipped():
-        return _triton_step(*args)
-
-
-_step_op = torch.library.custom_op(
-    "fla::selective_state_update", _run_step, mutates_args=("state",),
+# The step as the custom op fla::selective_state_update, writing the state in place (see
+# fla.utils.custom_ops.decode_op): one node under torch.compile, capturable in a CUDA graph.
+_step = decode_op(
+    "selective_state_update", _triton_step, mutates="state",
+    label="mamba2.selective_state_update",
     schema="(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
            "Tensor? z, Tensor? dt_bias, bool dt_softplus, Tensor? state_batch_indices) "
            "-> Tensor")
-_step_op.register_fake(_fake_step)
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -405,4 +390,4 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            state_batch_indices)
 
     args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
-    return _step_op(*args) if _traced(args) else _run_step(*args)
+    return _step(*args)

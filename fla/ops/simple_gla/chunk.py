@@ -27,7 +27,7 @@ from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_simple_gla"]
@@ -90,9 +90,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, do, dht, _dg_cum, _dAqk):
     saved = ctx.saved_tensors
-    do = torch.zeros_like(saved[2]) if do is None else do.contiguous()  # saved[2]: v
-    # The final state's gradient exists only if the forward returned one.
-    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None),
             present(dh0, saved[5] is not None), None, None, None, None, None)
