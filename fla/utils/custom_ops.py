@@ -61,7 +61,10 @@ def traced(args: Sequence[Any]) -> bool:
     be called, as the tracer needs it."""
     if torch.compiler.is_compiling():
         return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+    for a in args:  # a plain loop: this runs at every call of every op
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return True
+    return False
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -1,8 +1,8 @@
 """Whole layers under ``torch.compile(fullgraph=True)`` on the Triton path: every kernel
 step inside (the chunk ops, short convolutions, norms, l2norm, activations) is a
 registered custom op, so a layer's forward and backward trace without a graph break and
-give the eager results. CPU: the interpreter with ``aot_eager`` on tiny widths; GPU: the
-default (inductor) backend in bf16 for every layer."""
+give the eager results. CPU: every layer on the Triton path in the interpreter with
+``aot_eager`` on tiny widths (fp32, 1e-5); GPU: the default (inductor) backend in bf16."""
 from __future__ import annotations
 
 import copy
@@ -26,7 +26,7 @@ def _fwd_bwd(layer, x):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("name", ["gated_deltanet", "rwkv7"])
+@pytest.mark.parametrize("name", COMPILED_LAYERS)
 def test_layer_triton_path_compiles_fullgraph(name, seed, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the GPU test below covers every layer")
