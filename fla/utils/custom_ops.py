@@ -25,7 +25,7 @@ import torch
 
 from fla.utils import compile_ahead
 
-__all__ = ["stage_op", "decode_op", "present", "grads_for", "upstream_grads", "StageOp"]
+__all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced"]
 
 NAMESPACE = "fla"
 
@@ -208,10 +208,3 @@ def upstream_grads(do: torch.Tensor | None, dht: torch.Tensor | None, like: torc
     do = torch.zeros_like(like) if do is None else do.contiguous()
     dht = dht.contiguous() if has_final_state and dht is not None else None
     return do, dht
-
-
-def grads_for(inputs: Sequence[Any], grads: dict[int, torch.Tensor]) -> tuple:
-    """The tuple an autograd formula returns: ``grads[i]`` for input i where that input
-    is a tensor, None for the rest (None inputs, flags, offsets)."""
-    return tuple(grads.get(i) if isinstance(x, torch.Tensor) else None
-                 for i, x in enumerate(inputs))
