@@ -14,8 +14,8 @@ have the real ones' shapes, dtypes and strides by construction, with no second
 description to keep in step with the kernels.
 
 Custom ops return tensors only: a ``None`` output of a step (no final state, no gate
-gradient) is returned as an empty placeholder, and the caller, who knows which outputs
-exist, maps it back with :func:`present`.
+gradient) is returned by the op as an empty placeholder (in eager mode it stays None),
+and the caller, who knows which outputs exist, maps either back with :func:`present`.
 """
 from __future__ import annotations
 
@@ -102,19 +102,10 @@ class StageOp:
         return self.step(*args)
 
     def run(self, *args):
-        """The step in eager mode: outputs as the op's, placeholders for None (an output
-        may alias an input here: autograd.Function allows it, only the op may not)."""
-        outputs = self._step(*args)
-        if isinstance(outputs, torch.Tensor):
-            return outputs
-        device = None
-        fixed = []
-        for t in outputs:
-            if t is None:
-                device = device or _device_of(args)
-                t = torch.empty(0, device=device)
-            fixed.append(t)
-        return tuple(fixed)
+        """The step in eager mode, outputs as it returns them: None stays None (no
+        placeholder allocations: the formulas and callers take either) and an output may
+        alias an input (autograd.Function allows both; only the registered op may not)."""
+        return self._step(*args)
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """The op's autograd formula (``torch.library`` conventions), used by both ways.
@@ -142,10 +133,11 @@ class StageOp:
     def __call__(self, *args):
         if traced(args):
             return self.op(*args)
-        if self._function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self._function.apply(*args)
-        return self.run(*args)
+        if self._function is not None and torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return self._function.apply(*args)
+        return self._step(*args)
 
 
 def stage_op(name: str, step: Callable, schema: str, label: str | None = None,
