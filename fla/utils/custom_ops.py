@@ -61,9 +61,11 @@ def traced(args: Sequence[Any]) -> bool:
     be called, as the tracer needs it."""
     if torch.compiler.is_compiling():
         return True
-    for a in args:  # a plain loop: this runs at every call of every op
-        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
-            return True
+    # The first tensor argument decides: a tracer's tensors (fake, functional) are never
+    # mixed with plain ones in one call. A plain loop: this runs at every call of every op.
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return type(a) not in _PLAIN
     return False
 
 
