@@ -36,7 +36,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import decode_op, present, stage_op
+from fla.utils.custom_ops import decode_op, present, stage_op, upstream_grads
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -45,6 +45,7 @@ from fla.utils.validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    contiguous_or_none,
 )
 
 __all__ = [
@@ -371,10 +372,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, dy, dht):
     x, weight, bias, h0, cu_seqlens, chunk_indices = ctx.saved_tensors
-    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-    # The final cache's gradient exists only if the forward returned one (else it is the
-    # gradient of a placeholder).
-    dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+    dy, dht = upstream_grads(dy, dht, x, ctx.output_final_state)
     need_dh0 = h0 is not None and ctx.needs_input_grad[3]
     dx, dw, db, dh0 = _conv_bwd_op(x, weight, bias, h0, dy, dht, ctx.activation, cu_seqlens,
                                    chunk_indices, ctx.N, need_dh0)
@@ -392,9 +390,6 @@ _conv_update = decode_op(
     schema="(Tensor x, Tensor(a!) cache, Tensor weight, Tensor? bias, str? activation) "
            "-> Tensor")
 
-
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
 
 
 # Packed sequences' offsets are read on the host (validated, then the chunk list that
@@ -423,8 +418,8 @@ def _conv_triton(x, weight, bias, h0, output_final_state, activation, cu_seqlens
     if cu_seqlens is not None:
         chunk_indices = _chunk_list(cu_seqlens).to(x.device)
         cu_seqlens = cu_seqlens.to(x.device)
-    y, ht = _conv_fwd_op(x.contiguous(), weight.contiguous(), _contiguous(bias),
-                         _contiguous(h0), output_final_state, activation, cu_seqlens,
+    y, ht = _conv_fwd_op(x.contiguous(), weight.contiguous(), contiguous_or_none(bias),
+                         contiguous_or_none(h0), output_final_state, activation, cu_seqlens,
                          chunk_indices, N)
     return y, present(ht, output_final_state)
 
@@ -596,7 +591,7 @@ def causal_conv1d_update(
                 y = F.silu(y)
         return y.to(x.dtype).view(shape), cache
 
-    args = (x.contiguous(), cache, weight.contiguous(), _contiguous(bias), activation)
+    args = (x.contiguous(), cache, weight.contiguous(), contiguous_or_none(bias), activation)
     y = _conv_update(*args)
     return y.view(shape), cache
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from fla.modules.layernorm_kernels import ACTIVATIONS, norm_bwd, norm_fwd
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
-from fla.utils.validation import check_same_device, check_tensor
+from fla.utils.validation import check_same_device, check_tensor, contiguous_or_none
 
 __all__ = [
     "RMSNorm", "LayerNorm", "GroupNorm", "rms_norm", "layer_norm", "group_norm",
@@ -128,9 +128,6 @@ def _rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, width).contiguous()
 
 
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
-
 
 # The kernels as the custom ops fla::norm_fwd / fla::norm_bwd (one node each under
 # torch.compile; their fakes are the launchers with the launches skipped), joined by the
@@ -187,7 +184,7 @@ def _norm_triton(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, act
     """The Triton path through fla::norm_fwd: ``(y, residual_out or None)`` shaped like x."""
     shape, width = x.shape, x.shape[-1]
     y, residual_out, _, _ = _norm_fwd_op(
-        _rows(x, width), _contiguous(weight), _contiguous(bias), _rows(residual, width),
+        _rows(x, width), contiguous_or_none(weight), contiguous_or_none(bias), _rows(residual, width),
         _rows(g, width), eps, num_groups, is_rms_norm, activation, residual_dtype)
     if residual_dtype is None:
         return y.view(shape), None

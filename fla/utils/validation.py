@@ -272,6 +272,11 @@ def check_sequences(cu_seqlens, initial_state, dims: Dims, *, device: torch.devi
     return offsets, N, cu_seqlens
 
 
+def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t.contiguous()`` (no copy when it already is), None stays None."""
+    return None if t is None else t.contiguous()
+
+
 def time_major(x: torch.Tensor | None, head_first: bool) -> torch.Tensor | None:
     """``x`` as a contiguous ``[B, T, ...]`` tensor (``head_first``: given as
     ``[B, H, T, ...]``); None stays None. Kernels index with plain strides: a
