@@ -18,10 +18,15 @@ WHAT="${WHAT:-decode train}"
 # MODEL_ARGS="--profile": also the per-kernel GPU time of a training step, both sides.
 MODEL_ARGS="${MODEL_ARGS:-}"
 TAIL="${TAIL:-20}"
+# SIDES="reference": the reference alone (e.g. to let its autotuning finish and keep it).
+SIDES="${SIDES:-ours reference}"
 
-echo "== ours"
-PYTHONPATH="$REPO" timeout -k 10 "${OURS_TIMEOUT:-200}" python3 -m benchmarks.model_throughput \
-    --what $WHAT $MODEL_ARGS --out "$OUT/models.jsonl" 2>&1 | tail -n "$TAIL"
+if [[ " $SIDES " == *" ours "* ]]; then
+    echo "== ours"
+    PYTHONPATH="$REPO" timeout -k 10 "${OURS_TIMEOUT:-200}" python3 -m benchmarks.model_throughput \
+        --what $WHAT $MODEL_ARGS --out "$OUT/models.jsonl" 2>&1 | tail -n "$TAIL"
+fi
+[[ " $SIDES " == *" reference "* ]] || exit 0
 
 echo "== reference"
 REF_SITE=/tmp/ref-site HARNESS=/tmp/models-harness
@@ -29,7 +34,9 @@ rm -rf "$REF_SITE" "$HARNESS" && mkdir -p "$HARNESS"
 python3 -m pip install -q --no-index --no-deps --target "$REF_SITE" .ref/*.whl
 cp -r benchmarks "$HARNESS/"
 REF_CACHE=$(mktemp -d /tmp/triton-ref.XXXXXX)
-[ -f .refcache/ref-autotune.tgz ] && tar xzf .refcache/ref-autotune.tgz -C "$REF_CACHE"
+for tgz in benchmarks/reference_autotune.tgz .refcache/ref-autotune.tgz; do
+    [ -f "$tgz" ] && tar xzf "$tgz" -C "$REF_CACHE"
+done
 # One process per measurement kind, decoding first: the reference's first training step
 # autotunes for minutes, and a time limit there must not cost the decoding figures.
 for what in $WHAT; do

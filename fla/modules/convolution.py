@@ -36,7 +36,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import decode_op, present, stage_op, upstream_grads
+from fla.utils.custom_ops import decode_op, outside_graph, present, stage_op, upstream_grads
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -396,7 +396,7 @@ _conv_update = decode_op(
 # sizes the grid is built from them, once per tensor: both cached). Under torch.compile
 # these calls run eagerly, a graph break before the op, so that the graph holds no guard
 # on the offsets' values: a compiled caller would recompile for every batch.
-_host_offsets = torch.compiler.disable(check_cu_seqlens)
+_host_offsets = outside_graph(check_cu_seqlens)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | None, T: int, B: int) -> list[int] | None:
@@ -404,7 +404,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor | None, T: int, B: int) -> list[i
     return None if cu_seqlens is None else _host_offsets(cu_seqlens, T=T, B=B)
 
 
-@torch.compiler.disable
+@outside_graph
 def _chunk_list(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[NT, 2]`` (sequence, chunk) rows of a packed batch."""
     return varlen_chunk_indices(cu_seqlens, CONV_BT)

@@ -19,13 +19,16 @@ and the caller, who knows which outputs exist, maps either back with :func:`pres
 """
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
 
 from fla.utils import compile_ahead
 
-__all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced"]
+__all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced",
+           "outside_graph"]
 
 NAMESPACE = "fla"
 
@@ -53,6 +56,30 @@ def _as_outputs(outs: Any, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | to
             t = t.clone()
         fixed.append(t)
     return fixed[0] if single else tuple(fixed)
+
+
+def outside_graph(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable(fn)``: run eagerly, a graph break before it,
+    when a compiled caller reaches it; a plain call otherwise.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (1-4 s, measured in a cold
+    process on the H100 host) when it is applied; applied at import time it added that
+    to the first call of every op whose module loads lazily. Here the disabled wrapper
+    is made at the first call that finds ``torch._dynamo`` loaded, which every compiled
+    call does (tracing loads it); eager processes never import it.
+    """
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 def traced(args: Sequence[Any]) -> bool:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import prepare_chunk_indices, prepare_token_chunk_positions
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import stage_op
+from fla.utils.custom_ops import outside_graph, stage_op
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     FLOAT_DTYPES,
@@ -175,8 +175,8 @@ def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, head_first, output
 # sizes the grid is built from them, once per tensor: both cached). Under torch.compile
 # these calls run eagerly, a graph break before the op, so that the graph holds no guard
 # on the offsets' values: a compiled caller would recompile for every batch.
-_host_offsets = torch.compiler.disable(check_cu_seqlens)
-_chunk_list = torch.compiler.disable(prepare_chunk_indices)
+_host_offsets = outside_graph(check_cu_seqlens)
+_chunk_list = outside_graph(prepare_chunk_indices)
 
 
 # The kernel as the custom op fla::chunk_local_cumsum (one node under torch.compile; its
