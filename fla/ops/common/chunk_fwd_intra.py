@@ -79,8 +79,11 @@ def _beta_block(beta, row0, first, L, H, i_h):
 
 @triton.jit
 def _gamma_block(g_cum, row0, first, L, H, i_h):
-    o_i = first + tl.arange(0, 16)
-    return tl.load(g_cum + (row0 + o_i) * H + i_h, mask=o_i < L, other=0.)
+    """γ of 16 rows; rows past the chunk's end (L valid rows) repeat the last valid γ.
+    With 0 there instead, γ_pad − γ_j = −γ_j > 88 in a steep last chunk overflowed exp
+    to inf, and 0 · inf = NaN spread through the block inverse into the valid rows."""
+    o_i = tl.minimum(first + tl.arange(0, 16), L - 1)
+    return tl.load(g_cum + (row0 + o_i) * H + i_h)
 
 
 @tuned(key=["K", "k", "DELTA"], default=_default, space=_space)
@@ -181,7 +184,8 @@ def chunk_gated_delta_rule_fwd_intra_kernel(
     # fp32 accumulator next to them cost a one-warp program all 255 registers and
     # spills (Nsight Compute: 12.5% occupancy, 0.82 M local-memory requests at T·H = 786K).
     if USE_G:
-        b_gc = tl.load(g_cum + (row0 + o_t) * H + i_h, mask=m_t, other=0.)
+        # Padded rows repeat the last valid γ (see _gamma_block): no exponent > 0.
+        b_gc = tl.load(g_cum + (row0 + tl.minimum(o_t, L - 1)) * H + i_h)
     for i_r in range(4):
         rows = i_r * 16 + o_c
         b_S = tl.zeros([16, BT], dtype=tl.float32)

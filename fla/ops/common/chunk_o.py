@@ -88,7 +88,9 @@ def chunk_fwd_o_kernel(
         b_o += tl.dot(b_q, b_h, input_precision=DOT_PRECISION)
         b_A += tl.dot(b_q, b_k, input_precision=DOT_PRECISION)
 
-    m_A = o_t[:, None] >= o_t[None, :]
+    # Rows past a partial chunk's end are never stored; out of m_A, their exponents
+    # (γ there is 0, not a decay sum) never reach exp.
+    m_A = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
     if USE_G:
         b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
         # γ is chunk-local (≤ 0 for decays), so exp(γ) ≤ 1; inside the chunk only the

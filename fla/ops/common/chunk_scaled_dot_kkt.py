@@ -72,7 +72,9 @@ def chunk_scaled_dot_kkt_fwd_kernel(
     if USE_BETA:
         b_beta = tl.load(beta + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
         b_A *= b_beta[:, None]
-    m_A = o_t[:, None] > o_t[None, :]
+    # Padded rows (past a partial chunk's end) are out of m_A: their exponents would be
+    # −γ_j > 0, and they are never stored anyway.
+    m_A = (o_t[:, None] > o_t[None, :]) & m_t[:, None]
     if USE_G:
         b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
         # exp of the masked difference (≤ 0 for decays): never exp(γ) and exp(−γ) apart,
