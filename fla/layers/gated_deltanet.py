@@ -13,6 +13,7 @@ from fla.layers.utils import (
     cache_entry,
     check_heads,
     check_mode,
+    fused_linear,
     gated_output,
     init_time_step_bias,
     mask_tokens,
@@ -104,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         # a and b in one GEMM (packed [a | b]), then g = −exp(A_log)·softplus(a + dt_bias)
         # in float32 (its chunk sums are the exponents of every decay) and β = σ(b) in
         # one kernel each way instead of ~25 small elementwise launches.
-        ab = F.linear(hidden_states, torch.cat([self.a_proj.weight, self.b_proj.weight]))
+        ab = fused_linear(hidden_states, self.a_proj, self.b_proj)
         g, beta = gated_delta_rule_gate(ab, self.A_log, self.dt_bias,
                                         beta_scale=2.0 if self.allow_neg_eigval else 1.0)
         # Padding: no write and no decay (β = 0, g = 0, k = v = 0) keeps the state exactly.

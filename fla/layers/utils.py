@@ -13,8 +13,10 @@ bit-for-bit unchanged. Outputs at padded positions are meaningless.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+from fla.modules.convolution import causal_conv1d
 
 MODES = ("chunk", "fused_recurrent")
 
@@ -175,21 +177,50 @@ def output_norm(head_v_dim: int, gated: bool, eps: float, activation: str = "swi
     return RMSNorm(head_v_dim, eps=eps)
 
 
+def fused_linear(x: torch.Tensor, *linears: torch.nn.Linear) -> torch.Tensor:
+    """``cat([l(x) for l in linears], -1)`` as one GEMM over the concatenated weights:
+    one launch and one read of x forward, and backward one dX GEMM instead of one per
+    projection plus the sums of their input gradients."""
+    weight = torch.cat([lin.weight for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else lin.weight.new_zeros(lin.out_features)
+         for b, lin in zip(biases, linears)])
+    return F.linear(x, weight, bias)
+
+
 def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
                 mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
     """q, k, v of ``hidden_states [B, T, d]`` by ``layer.q_proj``, ``k_proj``, ``v_proj``,
     then, with ``layer.use_short_conv``, its ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (see
     :func:`short_convs`; their caches are the ``conv_state`` of ``state``). Returns
     ``(q, k, v, conv_state)``, each of q, k, v ``[B, T, width]``; conv_state is None unless
-    the convolutions ran with ``use_cache``."""
-    q = layer.q_proj(hidden_states)
-    k = layer.k_proj(hidden_states)
-    v = layer.v_proj(hidden_states)
+    the convolutions ran with ``use_cache``.
+
+    Without caches in or out (training, a plain forward), the three projections run as
+    one GEMM and the three depthwise convolutions as one over the concatenated channels
+    (the same maths: a depthwise kernel treats channels independently); q, k and v are
+    then views of one ``[B, T, 2·key + value]`` tensor. With caches the three run apart,
+    each with its own cache."""
+    linears = (layer.q_proj, layer.k_proj, layer.v_proj)
+    widths = [lin.out_features for lin in linears]
+    conv_cache = cache_entry(state, "conv_state")
+    if conv_cache is None and not use_cache:
+        qkv = fused_linear(hidden_states, *linears)
+        if layer.use_short_conv:
+            convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+            bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
+            qkv, _ = causal_conv1d(mask_tokens(qkv, mask),
+                                   torch.cat([c.weight for c in convs]), bias,
+                                   activation=convs[0].activation, cu_seqlens=cu_seqlens)
+        q, k, v = qkv.split(widths, dim=-1)
+        return q, k, v, None
+    q, k, v = (lin(hidden_states) for lin in linears)
     conv_state = None
     if layer.use_short_conv:
         (q, k, v), conv_state = short_convs(
-            (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), (q, k, v),
-            cache_entry(state, "conv_state"), use_cache, mask, cu_seqlens)
+            (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), (q, k, v), conv_cache,
+            use_cache, mask, cu_seqlens)
     return q, k, v, conv_state
 
 
