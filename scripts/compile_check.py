@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     TunedKernel.launch = lambda self, grid, a, kw: compiler.launch(self, grid, a, kw)
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule.gate import gated_delta_rule_gate
     from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
     from fla.ops.generalized_delta_rule import (chunk_dplr_delta_rule,
                                                 fused_recurrent_dplr_delta_rule)
@@ -212,6 +213,11 @@ def main(argv=None) -> int:
             elif family == "gated_delta_rule":
                 beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
                 o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                if op is chunk_gated_delta_rule:  # the layer's gate kernels, fwd + bwd
+                    ab = torch.randn(B, T, 2 * H, dtype=dtype, requires_grad=True)
+                    a_log, dt_bias = (torch.randn(H, requires_grad=True) for _ in range(2))
+                    g_gate, beta_gate = gated_delta_rule_gate(ab, a_log, dt_bias)
+                    (g_gate.sum() + beta_gate.float().sum()).backward()
             else:
                 o, ht = op(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()

@@ -58,14 +58,14 @@ def check_gate(shape, H, dtype, device, seed, beta_scale=1.0, with_dt_bias=True,
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("shape,H", [((2, 100), 4), ((1, 37), 6), ((3, 200), 1)])
 def test_gate_kernels(shape, H, dtype, device, seed):
     check_gate(shape, H, dtype, device, seed)
 
 
 @pytest.mark.interpret
-def test_gate_kernels_options(device, seed):
+def test_gate_kernels_options_fp32(device, seed):
     # β in (0, 2), no dt_bias, and losses reaching only one of the two outputs.
     check_gate((2, 70), 4, torch.float32, device, seed, beta_scale=2.0)
     check_gate((2, 70), 4, torch.float32, device, seed + 1, with_dt_bias=False)
@@ -73,7 +73,7 @@ def test_gate_kernels_options(device, seed):
     check_gate((2, 70), 4, torch.float32, device, seed + 3, grads=("g",))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_torch_path(dtype, monkeypatch, seed):
     monkeypatch.setenv("FLA_BACKEND", "torch")
     check_gate((2, 50), 4, dtype, "cpu", seed)
