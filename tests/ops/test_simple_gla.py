@@ -77,6 +77,15 @@ def compare(inputs, dtype, device, *, fn, ref_fn=naive_recurrent_simple_gla, gen
     for name, leaf in leaves.items():
         if leaf is not None:
             assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
+            if name == "g_gamma" and g_ref.get("g") is not None:
+                # g and g_gamma enter as one decay, so dg_gamma[h] = Σ_t dg[t, h]: a sum
+                # whose terms cancel, its relative error that of the sum (2.4e-4 seen
+                # in fp32 at seed 59350227). Bound it by the size of the terms.
+                terms = g_ref["g"].abs().sum(dim=tuple(range(g_ref["g"].dim() - 1)))
+                err = (grads[name].double().cpu() - g_ref[name].cpu()).abs()
+                assert (err <= tol * terms.cpu()).all(), \
+                    f"dg_gamma: error {err.tolist()} > {tol} * {terms.tolist()}"
+                continue
             assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
 
 

@@ -38,19 +38,28 @@ __all__ = ["gated_delta_rule_gate", "gdn_gate_fwd_kernel", "gdn_gate_bwd_kernel"
 _SOFTPLUS_THRESHOLD = 20.0
 
 
+def _rows_per_program(H: int) -> int:
+    # 128 rows x BH heads: [B·T = 16384, H = 4] is 128 programs; fewer rows for many
+    # heads keep the fp32 tiles small.
+    return max(16, min(128, 4096 // triton.next_power_of_2(H)))
+
+
 def _default(args) -> Config:
-    # 128 rows x BH heads per program, 4 warps: [B·T = 16384, H = 4] is 128 programs.
-    return Config(BR=128, num_warps=4, num_stages=1)
+    return Config(num_warps=4, num_stages=1)
 
 
 def _space(args) -> list[Config]:
-    return [Config(BR=br, num_warps=w, num_stages=1) for br in (32, 64, 128, 256, 512)
-            for w in (1, 2, 4, 8)]
+    # Rows per program are fixed by the launcher, not tuned: the backward's per-program
+    # partial sums then have one size whatever the config (tuning several BR over the
+    # same partials buffer would leave stale rows in it).
+    return [Config(num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
 
 
 @triton.jit
 def _softplus(z):
-    # log(1 + e^z) = max(z, 0) + log(1 + e^{−|z|}): no overflow, no cancellation.
+    # log(1 + e^z) = max(z, 0) + log(1 + e^{−|z|}): no overflow, no cancellation; z past
+    # 20 (_SOFTPLUS_THRESHOLD: a module global cannot be read inside @jit on every
+    # supported Triton) is returned as is, as torch's softplus does.
     return tl.where(z > 20.0, z, tl.maximum(z, 0.) + tl.log(1. + tl.exp(-tl.abs(z))))
 
 
@@ -98,6 +107,7 @@ def gdn_gate_bwd_kernel(ab, A_log, dt_bias, dg, dbeta, dab, dA_part, ddt_part, b
         b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.).to(tl.float32))
         b_dg = tl.load(dg + p_o, mask=m, other=0.).to(tl.float32)
         b_sp = _softplus(b_z)
+        # softplus' = σ(z), and 1 past the threshold (20, as in _softplus).
         b_da = -b_dg * b_A[None, :] * tl.where(b_z > 20.0, 1., tl.sigmoid(b_z))
         # dA_log = Σ dg · g with g = −A · softplus(z).
         tl.store(dA_part + i_p * H + o_h, tl.sum(-b_dg * b_A[None, :] * b_sp, 0), mask=m_h)
@@ -124,9 +134,10 @@ def _gate_fwd(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | Non
     R = ab.numel() // (2 * H)
     g = torch.empty(*ab.shape[:-1], H, dtype=torch.float32, device=ab.device)
     beta = torch.empty(*ab.shape[:-1], H, dtype=ab.dtype, device=ab.device)
-    gdn_gate_fwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](
+    BR = _rows_per_program(H)
+    gdn_gate_fwd_kernel[(triton.cdiv(R, BR),)](
         ab=ab, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, beta_scale=beta_scale, R=R,
-        H=H, BH=triton.next_power_of_2(H), HAS_DT_BIAS=dt_bias is not None)
+        H=H, BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None)
     return g, beta
 
 
@@ -136,16 +147,17 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
     H = ab.shape[-1] // 2
     R = ab.numel() // (2 * H)
     dab = torch.empty_like(ab)
-    # The partials' row count follows the config's BR: size them for the smallest BR.
-    rows = triton.cdiv(R, min(c.meta["BR"] for c in _space(None)))
-    dA_part = torch.zeros(rows, H, dtype=torch.float32, device=ab.device)
-    ddt_part = torch.zeros(rows, H, dtype=torch.float32, device=ab.device)
-    gdn_gate_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](
+    BR = _rows_per_program(H)
+    programs = triton.cdiv(R, BR)
+    # One row of partial sums per program, every row written by every launch.
+    dA_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)
+    ddt_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)
+    gdn_gate_bwd_kernel[(programs,)](
         ab=ab, A_log=A_log, dt_bias=dt_bias,
         dg=None if dg is None else dg.contiguous(),
         dbeta=None if dbeta is None else dbeta.contiguous(),
         dab=dab, dA_part=dA_part, ddt_part=ddt_part, beta_scale=beta_scale, R=R, H=H,
-        BH=triton.next_power_of_2(H), HAS_DT_BIAS=dt_bias is not None,
+        BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None,
         HAS_DG=dg is not None, HAS_DBETA=dbeta is not None)
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt_bias = ddt_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
