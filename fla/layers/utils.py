@@ -177,16 +177,41 @@ def output_norm(head_v_dim: int, gated: bool, eps: float, activation: str = "swi
     return RMSNorm(head_v_dim, eps=eps)
 
 
+def _plain(module: torch.nn.Module, kind: type) -> bool:
+    """``module`` is exactly ``kind`` with no hooks: its forward is its weights' maths, so
+    reading the weights directly (fusing it with others) computes the same thing. An
+    adapter (LoRA), a quantized or tensor-parallel Linear, or a hook changes that."""
+    return (type(module) is kind and not module._forward_hooks
+            and not module._forward_pre_hooks)
+
+
 def fused_linear(x: torch.Tensor, *linears: torch.nn.Linear) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` as one GEMM over the concatenated weights:
     one launch and one read of x forward, and backward one dX GEMM instead of one per
-    projection plus the sums of their input gradients."""
+    projection plus the sums of their input gradients. Modules that are not plain
+    ``nn.Linear`` (:func:`_plain`: adapters, hooks) run their own forward instead."""
+    if not all(_plain(lin, torch.nn.Linear) for lin in linears):
+        return torch.cat([lin(x) for lin in linears], dim=-1)
     weight = torch.cat([lin.weight for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else lin.weight.new_zeros(lin.out_features)
          for b, lin in zip(biases, linears)])
     return F.linear(x, weight, bias)
+
+
+def _fusable(linears, convs) -> bool:
+    """Whether :func:`project_qkv` may run ``linears`` as one GEMM and ``convs`` (or
+    None) as one convolution: plain modules (:func:`_plain`), and convolutions alike in
+    kernel width, activation and having a bias or not."""
+    if not all(_plain(lin, torch.nn.Linear) for lin in linears):
+        return False
+    if convs is None:
+        return True
+    first = convs[0]
+    return all(_plain(c, ShortConvolution) and c.width == first.width
+               and c.activation == first.activation
+               and (c.bias is None) == (first.bias is None) for c in convs)
 
 
 def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
@@ -200,15 +225,15 @@ def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cach
     Without caches in or out (training, a plain forward), the three projections run as
     one GEMM and the three depthwise convolutions as one over the concatenated channels
     (the same maths: a depthwise kernel treats channels independently); q, k and v are
-    then views of one ``[B, T, 2·key + value]`` tensor. With caches the three run apart,
-    each with its own cache."""
+    then views of one ``[B, T, 2·key + value]`` tensor. With caches, or modules that are
+    not plain (:func:`_fusable`), the three run apart, each with its own cache."""
     linears = (layer.q_proj, layer.k_proj, layer.v_proj)
     widths = [lin.out_features for lin in linears]
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d) if layer.use_short_conv else None
     conv_cache = cache_entry(state, "conv_state")
-    if conv_cache is None and not use_cache:
+    if conv_cache is None and not use_cache and _fusable(linears, convs):
         qkv = fused_linear(hidden_states, *linears)
-        if layer.use_short_conv:
-            convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+        if convs is not None:
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             qkv, _ = causal_conv1d(mask_tokens(qkv, mask),
                                    torch.cat([c.weight for c in convs]), bias,
@@ -217,10 +242,9 @@ def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cach
         return q, k, v, None
     q, k, v = (lin(hidden_states) for lin in linears)
     conv_state = None
-    if layer.use_short_conv:
-        (q, k, v), conv_state = short_convs(
-            (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), (q, k, v), conv_cache,
-            use_cache, mask, cu_seqlens)
+    if convs is not None:
+        (q, k, v), conv_state = short_convs(convs, (q, k, v), conv_cache, use_cache, mask,
+                                            cu_seqlens)
     return q, k, v, conv_state
 
 

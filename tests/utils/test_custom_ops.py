@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from fla.utils.custom_ops import outside_graph
@@ -26,13 +25,19 @@ def test_eager_call_is_the_plain_call():
     assert wrapped.__name__ == "_offsets"
 
 
-def test_compiled_caller_reads_new_values_without_recompiling():
+def test_compiled_caller_runs_it_eagerly_and_reads_new_values():
     """Under torch.compile the wrapped host function runs eagerly (a graph break before
-    it): new offsets give new results and no new graph per value, as with
-    torch.compiler.disable."""
+    it, as with torch.compiler.disable): it never sees a tracing context, and new
+    offsets give new results without a new graph per value."""
     import torch._dynamo  # noqa: F401  (loaded as compile would load it)
 
-    host = outside_graph(_offsets)
+    compiling = []
+
+    def offsets(cu):
+        compiling.append(torch.compiler.is_compiling())
+        return tuple(cu.tolist())
+
+    host = outside_graph(offsets)
     graphs = []
 
     def count_graphs(gm, example_inputs):
@@ -49,6 +54,7 @@ def test_compiled_caller_reads_new_values_without_recompiling():
     for cu in ([0, 2, 4], [0, 1, 4], [0, 3, 4], [0, 1, 2, 4], [0, 1, 3, 4]):
         cu = torch.tensor(cu)
         assert torch.equal(compiled(x, cu), f(x, cu))
+    assert compiling and not any(compiling), compiling
     assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for 5 offset values"
 
 

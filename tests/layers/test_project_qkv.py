@@ -1,0 +1,97 @@
+"""fla.layers.utils.project_qkv: the fused path (one GEMM for q, k, v and one short
+convolution over their concatenated channels) equals the three projections and
+convolutions run apart, and modules that are not plain (hooks, subclasses) keep their
+own forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fla.layers import GatedDeltaNet
+from fla.layers.utils import fused_linear, project_qkv, short_convs
+from tests.helpers import cu_seqlens_of, generator, randn, uneven_lengths
+
+
+def make_layer(seed: int, conv_bias: bool) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, expand_v=2,
+                          conv_bias=conv_bias)
+    if conv_bias:
+        with torch.no_grad():
+            for conv in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
+                conv.bias.uniform_(-0.5, 0.5)
+    return layer
+
+
+def apart(layer, x, mask, cu_seqlens):
+    """q, k, v with each projection and convolution called on its own."""
+    qkv = [lin(x) for lin in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    (q, k, v), _ = short_convs((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), qkv, None,
+                               False, mask, cu_seqlens)
+    return q, k, v
+
+
+def outputs_and_grads(fn, layer, x, do):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    outs = fn(x)
+    sum((o * d).sum() for o, d in zip(outs, do)).backward()
+    return list(outs) + [x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("conv_bias", [False, True])
+@pytest.mark.parametrize("inputs", ["dense", "padded", "packed"])
+def test_fused_path_equals_the_three_apart(conv_bias, inputs, seed):
+    gen = generator(seed)
+    layer = make_layer(seed, conv_bias)
+    mask = cu_seqlens = None
+    if inputs == "packed":
+        lengths = uneven_lengths(3, gen, low=1, high=30)
+        x = randn((1, sum(lengths), 64), gen)
+        cu_seqlens = cu_seqlens_of(lengths)
+    else:
+        x = randn((2, 37, 64), gen)
+        if inputs == "padded":
+            mask = torch.ones(2, 37, dtype=torch.bool)
+            mask[0, :11] = False
+    do = [randn((*x.shape[:2], w), gen) for w in (32, 32, 64)]
+    fused = outputs_and_grads(
+        lambda t: project_qkv(layer, t, None, False, mask, cu_seqlens)[:3], layer, x, do)
+    expected = outputs_and_grads(lambda t: apart(layer, t, mask, cu_seqlens), layer, x, do)
+    assert len(fused) == len(expected)
+    for i, (a, b) in enumerate(zip(fused, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"tensor {i}")
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear whose forward is not its weights' maths alone (as an adapter's)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_modules_that_are_not_plain_keep_their_forward(seed):
+    gen = generator(seed)
+    layer = make_layer(seed, False)
+    x = randn((2, 9, 64), gen)
+    expected = [t.detach() for t in apart(layer, x, None, None)]
+    # A hook that doubles k's projection, and a subclass that doubles v's.
+    handle = layer.k_proj.register_forward_hook(lambda mod, args, out: 2 * out)
+    q, k, v, _ = project_qkv(layer, x, None, False, None, None)
+    handle.remove()
+    plain_v = layer.v_proj
+    layer.v_proj = ScaledLinear(64, 64, bias=False)
+    layer.v_proj.weight = plain_v.weight
+    _, _, v_scaled, _ = project_qkv(layer, x, None, False, None, None)
+    torch.testing.assert_close(q, expected[0])
+    with torch.no_grad():  # each as its module computes it: the hook and the subclass ran
+        torch.testing.assert_close(k, layer.k_conv1d(2 * layer.k_proj(x))[0])
+        torch.testing.assert_close(v_scaled, layer.v_conv1d(2 * plain_v(x))[0])
+
+
+def test_fused_linear_with_some_biases(seed):
+    gen = generator(seed)
+    lins = [nn.Linear(8, 3, bias=True), nn.Linear(8, 5, bias=False), nn.Linear(8, 2)]
+    x = randn((4, 8), gen)
+    torch.testing.assert_close(fused_linear(x, *lins), torch.cat([m(x) for m in lins], -1))
