@@ -95,3 +95,17 @@ def test_gpu_bf16_training_shape(seed):
 def test_bad_calls(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_float64_and_zero_rows(seed):
+    """float64 takes the PyTorch path and keeps float64; zero rows give empty outputs."""
+    gen = generator(seed)
+    ab = randn((3, 5, 8), gen, torch.float64)
+    A_log, dt_bias = randn((4,), gen, torch.float64), randn((4,), gen, torch.float64)
+    g, beta = gated_delta_rule_gate(ab, A_log, dt_bias, 2.0)
+    g_ref, beta_ref = reference(ab, A_log, dt_bias, 2.0)
+    assert g.dtype == beta.dtype == torch.float64
+    assert_rel_close("g", g, g_ref, 1e-12)
+    assert_rel_close("beta", beta, beta_ref, 1e-12)
+    g, beta = gated_delta_rule_gate(torch.zeros(2, 0, 8), A_log.float())
+    assert g.shape == beta.shape == (2, 0, 4)
