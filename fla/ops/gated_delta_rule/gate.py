@@ -191,12 +191,13 @@ _gate_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _gate_torch(ab, A_log, dt_bias, beta_scale: float):
     H = ab.shape[-1] // 2
-    a, b = ab[..., :H].float(), ab[..., H:].float()
+    acc = torch.promote_types(ab.dtype, torch.float32)  # float64 stays float64
+    a, b = ab[..., :H].to(acc), ab[..., H:].to(acc)
     if dt_bias is not None:
-        a = a + dt_bias.float()
-    g = -A_log.float().exp() * F.softplus(a, threshold=_SOFTPLUS_THRESHOLD)
+        a = a + dt_bias.to(acc)
+    g = -A_log.to(acc).exp() * F.softplus(a, threshold=_SOFTPLUS_THRESHOLD)
     beta = (beta_scale * b.sigmoid()).to(ab.dtype)
-    return g.to(torch.promote_types(ab.dtype, torch.float32)), beta
+    return g, beta
 
 
 def gated_delta_rule_gate(ab: torch.Tensor, A_log: torch.Tensor,
