@@ -179,3 +179,38 @@ def test_ops_are_registered():
                  "chunk_dplr_delta_rule"):
         for step in ("fwd", "bwd"):
             assert hasattr(torch.ops.fla, f"{name}_{step}")
+
+
+# ------------------------------------------------------- the public forward stages (API.md)
+def test_public_stages_compile_fullgraph(device, seed):
+    """chunk_scaled_dot_kkt_fwd, solve_tril and chunk_gated_delta_rule_fwd_h (forward-only
+    building blocks, public per API.md) are custom ops too: chained under
+    torch.compile(fullgraph=True) they give the eager results, None outputs included."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+    from fla.ops.utils import chunk_local_cumsum, solve_tril
+
+    gen = generator(seed)
+    k = F.normalize(randn((B, T, H, K), gen, device=device), dim=-1)
+    u = randn((B, T, H, V), gen, device=device)
+    beta = unit_interval((B, T, H), gen, device=device)
+    g = log_gate((B, T, H), gen, low=-0.5).to(device)
+    h0 = randn((B, H, K, V), gen, device=device)
+
+    def stages(k, u, beta, g, h0):
+        gc = chunk_local_cumsum(g, chunk_size=64)
+        A = chunk_scaled_dot_kkt_fwd(k, beta=beta, g=gc, output_dtype=torch.float32)
+        Ai = solve_tril(A, output_dtype=None)
+        w = 0.5 * k  # any [B, T, H, K] factor: compiled must equal eager
+        h, v_new, ht = chunk_gated_delta_rule_fwd_h(k, w, u, g=gc,
+                                                    initial_state=h0,
+                                                    output_final_state=True)
+        h2, none_v, none_ht = chunk_gated_delta_rule_fwd_h(k, None, u, save_new_value=False)
+        assert none_v is None and none_ht is None
+        return A, Ai, h, v_new, ht, h2
+
+    torch._dynamo.reset()
+    expected = stages(k, u, beta, g, h0)
+    got = torch.compile(stages, fullgraph=True, backend="aot_eager")(k, u, beta, g, h0)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"output {i}")
