@@ -156,9 +156,48 @@ def compare(family: str, inputs: dict, dtype, device, gen, *, tol=None,
             assert_finite(f"d{name}", grads[name])
     assert_rel_close("o", o, o_ref, tol)
     assert_rel_close("final_state", ht, ht_ref, tol)
+    summed = SUMMED_OVER_TOKENS.get(family, {})
     for name, leaf in leaves.items():
         if leaf is not None:
-            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+            if name in summed:
+                terms = summed_terms(fam, ref_leaves, summed[name], g_ref, do, dht, options)
+                assert_sum_close(f"d{name}", grads[name], g_ref[name], terms, tol)
+            else:
+                assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+
+
+# Per-head parameters whose gradient is the sum over every token of another leaf's
+# gradient (dt_bias is added to dt: d dt_bias[h] = Σ_{b,t} d dt[b, t, h]). The terms
+# cancel, so the sum's relative error can exceed the terms' (9.7e-3 seen for Mamba2's
+# dt_bias with fp16 inputs up to 1e3, where d dt itself was within bounds; 1.7e-4 for
+# simple GLA's g_gamma in fp32): it is bounded by the size of the terms instead.
+SUMMED_OVER_TOKENS = {"mamba2": {"dt_bias": "dt"}, "simple_gla": {"g_gamma": "g"}}
+
+
+def summed_terms(fam, ref_leaves, terms_name, g_ref, do, dht, options):
+    """The reference gradient of the per-token leaf ``terms_name`` whose sum over tokens
+    is a per-head gradient; when the call has no such leaf (simple GLA with g_gamma
+    alone), the reference runs again with it as a zero leaf (the same maths)."""
+    if ref_leaves.get(terms_name) is not None:
+        return g_ref[terms_name]
+    like = ref_leaves[fam.out]
+    again = {n: None if x is None else x.detach().clone().requires_grad_()
+             for n, x in ref_leaves.items()}
+    again[terms_name] = torch.zeros(like.shape[:3], dtype=F64,
+                                    device=like.device).requires_grad_()
+    return run(fam.ref, again, do, dht, **options)[2][terms_name]
+
+
+def assert_sum_close(name, out, ref, ref_terms, tol):
+    """Per head h (the last dim of ``ref_terms``): |out − ref|_h ≤ tol · (‖ref‖ +
+    Σ_tokens |terms_h|), the usual relative bound widened by the size of the terms that
+    cancel in the sum. (A head whose true gradient is ~0, such as one decaying by e^−30
+    a step, keeps the fp32 rounding of its kernel's intermediates, bounded by ‖ref‖.)"""
+    ref = ref.double().cpu()
+    scale = ref_terms.abs().sum(dim=tuple(range(ref_terms.dim() - 1))).cpu() + ref.norm()
+    err = (out.double().cpu() - ref).abs()
+    assert (err <= tol * scale).all(), \
+        f"{name}: error {err.tolist()} > {tol} * {scale.tolist()} (‖ref‖ + the terms' size)"
 
 
 # ------------------------------------------------------------------------ input pieces
