@@ -128,7 +128,6 @@ def _rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, width).contiguous()
 
 
-
 # The kernels as the custom ops fla::norm_fwd / fla::norm_bwd (one node each under
 # torch.compile; their fakes are the launchers with the launches skipped), joined by the
 # autograd formula below. They take rows: ``[N, G·D]`` contiguous, shaped outside.

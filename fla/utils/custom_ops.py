@@ -28,7 +28,7 @@ import torch
 from fla.utils import compile_ahead
 
 __all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced",
-           "outside_graph"]
+           "use_op", "outside_graph"]
 
 NAMESPACE = "fla"
 
@@ -97,6 +97,14 @@ def traced(args: Sequence[Any]) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def use_op(args: Sequence[Any]) -> bool:
+    """For a public function that is itself registered as an op (its step calls the
+    function again): :func:`traced`, except while launches are skipped or recorded
+    (:mod:`fla.utils.compile_ahead`) — inside an op's fake implementation, its own or an
+    enclosing op's, where the function must run as is rather than re-enter the op."""
+    return traced(args) and compile_ahead.recording() is None
 
 
 class StageOp:

@@ -20,7 +20,7 @@ from fla.ops.common.chunk_torch import chunk_gated_delta_rule_fwd_h_torch
 from fla.ops.utils.index import varlen_chunk_offsets
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op, traced
+from fla.utils.custom_ops import present, stage_op, use_op
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -236,30 +236,11 @@ def chunk_gated_delta_rule_fwd_h(
         in k's dtype; v_new ``[B, T, H, V]`` = U − W·h in u's dtype, or None;
         final_state ``[N, H, K, V]`` float32, or None.
     """
-    if cu_seqlens is None and traced((k,)):
+    if cu_seqlens is None and use_op((k,)):
         h, v_new, final_state = _chunk_gated_delta_rule_fwd_h_op(
             k, w, u, g, initial_state, output_final_state, chunk_size, save_new_value,
             head_first)
         return h, present(v_new, save_new_value), present(final_state, output_final_state)
-    return _chunk_gated_delta_rule_fwd_h(k, w, u, g, initial_state, output_final_state,
-                                         chunk_size, save_new_value, cu_seqlens, head_first,
-                                         chunk_indices)
-
-
-def _chunk_gated_delta_rule_fwd_h(
-    k: torch.Tensor,
-    w: torch.Tensor | None,
-    u: torch.Tensor,
-    g: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    chunk_size: int = 64,
-    save_new_value: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    head_first: bool = False,
-    chunk_indices: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """chunk_gated_delta_rule_fwd_h without the custom-op dispatch (its body in both ways)."""
     check_tensor("k", k)
     dims = Dims()
     check_shape("k", k, token_layout("B T H K", head_first), dims)
@@ -326,11 +307,14 @@ def _chunk_gated_delta_rule_fwd_h(
     return h, v_new, final_state
 
 
+# The function as the custom op fla::chunk_gated_delta_rule_fwd_h for traced calls
+# (packed sequences read offsets on the host: those stay eager); the op's step is the
+# function.
 _chunk_gated_delta_rule_fwd_h_op = stage_op(
     "chunk_gated_delta_rule_fwd_h",
     lambda k, w, u, g, h0, output_final_state, chunk_size, save_new_value, head_first:
-        _chunk_gated_delta_rule_fwd_h(k, w, u, g, h0, output_final_state, chunk_size,
-                                      save_new_value, None, head_first),
+        chunk_gated_delta_rule_fwd_h(k, w, u, g, h0, output_final_state, chunk_size,
+                                     save_new_value, None, head_first),
     schema="(Tensor k, Tensor? w, Tensor u, Tensor? g, Tensor? initial_state, "
            "bool output_final_state, int chunk_size, bool save_new_value, bool head_first) "
            "-> (Tensor, Tensor, Tensor)", ahead=False)

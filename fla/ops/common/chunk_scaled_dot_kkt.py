@@ -16,7 +16,7 @@ from fla.ops.common.chunk_torch import chunk_scaled_dot_kkt_fwd_torch
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import stage_op, traced
+from fla.utils.custom_ops import stage_op, use_op
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -114,22 +114,8 @@ def chunk_scaled_dot_kkt_fwd(
         A: ``[B, T, H, BT]`` with ``A[b, t, h, j] = β_t (k_t·k_s) exp(γ_t − γ_s)`` where s is
         the j-th token of t's chunk and j is strictly below t's position in it, else 0.
     """
-    if cu_seqlens is None and traced((k,)):
+    if cu_seqlens is None and use_op((k,)):
         return _chunk_scaled_dot_kkt_fwd_op(k, beta, g, chunk_size, output_dtype)
-    return _chunk_scaled_dot_kkt_fwd(k, beta, g, cu_seqlens, chunk_size, output_dtype,
-                                     chunk_indices)
-
-
-def _chunk_scaled_dot_kkt_fwd(
-    k: torch.Tensor,
-    beta: torch.Tensor | None = None,
-    g: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    output_dtype: torch.dtype = torch.float32,
-    chunk_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """chunk_scaled_dot_kkt_fwd without the custom-op dispatch (its body in both ways)."""
     check_tensor("k", k)
     dims = Dims()
     check_shape("k", k, "B T H K", dims)
@@ -168,9 +154,11 @@ def _chunk_scaled_dot_kkt_fwd(
     return A
 
 
+# The function as the custom op fla::chunk_scaled_dot_kkt_fwd for traced calls (packed
+# sequences read offsets on the host: those stay eager); the op's step is the function.
 _chunk_scaled_dot_kkt_fwd_op = stage_op(
     "chunk_scaled_dot_kkt_fwd",
-    lambda k, beta, g, chunk_size, output_dtype: _chunk_scaled_dot_kkt_fwd(
-        k, beta, g, None, chunk_size, output_dtype, None),
+    lambda k, beta, g, chunk_size, output_dtype: chunk_scaled_dot_kkt_fwd(
+        k, beta, g, None, chunk_size, output_dtype),
     schema="(Tensor k, Tensor? beta, Tensor? g, int chunk_size, ScalarType output_dtype) "
            "-> Tensor", ahead=False)

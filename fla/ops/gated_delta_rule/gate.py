@@ -30,7 +30,12 @@ import triton.language as tl
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
 from fla.utils.tuning import Config, tuned
-from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
+from fla.utils.validation import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    contiguous_or_none,
+)
 
 __all__ = ["gated_delta_rule_gate", "gdn_gate_fwd_kernel", "gdn_gate_bwd_kernel"]
 
@@ -154,8 +159,7 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
     ddt_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)
     gdn_gate_bwd_kernel[(programs,)](
         ab=ab, A_log=A_log, dt_bias=dt_bias,
-        dg=None if dg is None else dg.contiguous(),
-        dbeta=None if dbeta is None else dbeta.contiguous(),
+        dg=contiguous_or_none(dg), dbeta=contiguous_or_none(dbeta),
         dab=dab, dA_part=dA_part, ddt_part=ddt_part, beta_scale=beta_scale, R=R, H=H,
         BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None,
         HAS_DG=dg is not None, HAS_DBETA=dbeta is not None)
@@ -231,5 +235,5 @@ def gated_delta_rule_gate(ab: torch.Tensor, A_log: torch.Tensor,
     beta_scale = float(beta_scale)
     if ab.numel() == 0 or ab.dtype == torch.float64 or select_backend(ab) is Backend.TORCH:
         return _gate_torch(ab, A_log, dt_bias, beta_scale)
-    return _gate_fwd_op(ab.contiguous(), A_log.contiguous(),
-                        None if dt_bias is None else dt_bias.contiguous(), beta_scale)
+    return _gate_fwd_op(ab.contiguous(), A_log.contiguous(), contiguous_or_none(dt_bias),
+                        beta_scale)

@@ -26,7 +26,7 @@ import triton.language as tl
 from fla.ops.utils.cumsum import check_chunk_indices
 from fla.ops.utils.index import locate_chunk, prepare_chunk_indices, prepare_token_chunk_positions
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import stage_op, traced
+from fla.utils.custom_ops import stage_op, use_op
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -301,15 +301,8 @@ def solve_tril(A: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
         triangular with a unit diagonal; zeros above the diagonal and in the columns
         past the end of a partial chunk.
     """
-    if cu_seqlens is None and traced((A,)):
+    if cu_seqlens is None and use_op((A,)):
         return _solve_tril_op(A, output_dtype)
-    return _solve_tril(A, cu_seqlens, output_dtype, chunk_indices)
-
-
-def _solve_tril(A: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                output_dtype: torch.dtype | None = torch.float32,
-                chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
-    """solve_tril without the custom-op dispatch (its body in both ways)."""
     check_tensor("A", A, ndim=4)
     dims = Dims()
     check_shape("A", A, "B T H BT", dims)
@@ -327,6 +320,8 @@ def _solve_tril(A: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
     return solve_tril_fwd(A, cu_seqlens, output_dtype, chunk_indices, offsets)
 
 
+# The function as the custom op fla::solve_tril for traced calls (packed sequences read
+# offsets on the host: those stay eager); the op's step is the function.
 _solve_tril_op = stage_op(
-    "solve_tril", lambda A, output_dtype: _solve_tril(A, None, output_dtype, None),
+    "solve_tril", lambda A, output_dtype: solve_tril(A, None, output_dtype),
     schema="(Tensor A, ScalarType? output_dtype) -> Tensor", ahead=False)
