@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", action="store_true",
+                   help="then a cProfile of RMSNorm forward + backward (one thread)")
     args = p.parse_args(argv)
 
     from fla.modules import RMSNorm
@@ -64,13 +66,50 @@ def main(argv=None) -> int:
         xg.grad = None
         norm.weight.grad = None
 
+    _, _, _, rstd_saved = lk.norm_fwd(x, norm.weight, None, None, None, 1e-5, 1, True, 0,
+                                      None)
+
+    def norm_bwd_alone():
+        lk.norm_bwd(dy, x, norm.weight, None, None, None, rstd_saved, None, 1, True, 0,
+                    x.dtype, None)
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def engine_round_trip():  # autograd's cost alone: a Python Function doing nothing
+        out = Identity.apply(xg)
+        torch.autograd.backward(out, dy)
+        xg.grad = None
+
+    def fwd_bwd_one_thread():  # the backward on the calling thread, not autograd's
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            fwd_bwd()
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
+
     def torch_fwd_bwd():
         out = torch.nn.functional.rms_norm(xg, (D,), norm.weight, 1e-5)
         torch.autograd.backward(out, dy)
         xg.grad = None
         norm.weight.grad = None
 
+    compiled = tuned.kernel[grid](**named, **meta)
+    values = [named.get(name, meta.get(name)) for name in tuned._direct.names]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def bare_launcher():  # the floor: the compiled kernel's launcher, nothing around it
+        compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *values)
+
     rows = [
+        ("compiled kernel's launcher alone (the floor)", bare_launcher),
         ("raw Triton launch (norm_fwd_kernel)", lambda: tuned.kernel[grid](**named, **meta)),
         ("tuning-layer launch", lambda: tuned[grid](**named)),
         ("norm_fwd (allocations + launch)",
@@ -78,13 +117,104 @@ def main(argv=None) -> int:
         ("RMSNorm forward, no grad", lambda: _no_grad(norm, x)),
         ("torch rms_norm forward, no grad", lambda: _no_grad(
             lambda t: torch.nn.functional.rms_norm(t, (D,), norm.weight, 1e-5), x)),
+        ("norm_bwd alone (allocations, launch, dw sum)", norm_bwd_alone),
+        ("autograd round trip of a do-nothing Function", engine_round_trip),
         ("RMSNorm forward + backward", fwd_bwd),
+        ("RMSNorm forward + backward, backward on the calling thread", fwd_bwd_one_thread),
         ("torch rms_norm forward + backward", torch_fwd_bwd),
     ]
-    print(f"host time per call at [{N}, {D}] bf16 ({args.calls} calls each):")
+    from fla.utils.direct_launch import direct_launches
+
+    print(f"host time per call at [{N}, {D}] bf16 ({args.calls} calls each), "
+          f"us: direct launches (fla/utils/direct_launch.py) | through Triton's path")
     for name, fn in rows:
-        print(f"  {per_call_us(fn, args.calls):8.1f} us  {name}")
+        times = []
+        for direct in (True, False):
+            with direct_launches(direct):
+                times.append(per_call_us(fn, args.calls))
+        print(f"  {times[0]:8.1f} | {times[1]:8.1f}  {name}")
+    if args.profile:
+        _time_inside_backward(fwd_bwd, fwd_bwd_one_thread, args.calls)
+        _sample_all_threads(fwd_bwd, args.calls)
+        # cProfile sees only its own thread: run the backward on the calling thread.
+        import cProfile
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            fwd_bwd_one_thread()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return 0
+
+
+def _time_inside_backward(multi_threaded, one_thread, calls: int) -> None:
+    """Host time spent inside the norm's backward formula, per call, with the backward
+    on autograd's device thread and on the calling thread: if they differ, the thread
+    itself makes our Python slower; if not, the difference is in the hand-off."""
+    import time as _time
+
+    from fla.modules import layernorm
+    eager = layernorm._norm_fwd_op._function
+    original = eager.backward
+    spent = [0.0]
+
+    def timed(ctx, *grads):
+        t0 = _time.perf_counter()
+        try:
+            return original(ctx, *grads)
+        finally:
+            spent[0] += _time.perf_counter() - t0
+
+    eager.backward = staticmethod(timed)
+    try:
+        for name, fn in (("device thread", multi_threaded), ("calling thread", one_thread)):
+            spent[0] = 0.0
+            total = per_call_us(fn, calls)
+            inside = spent[0] / (calls + 50) * 1e6
+            print(f"  backward on the {name}: {total:8.1f} us a call, {inside:8.1f} us of "
+                  f"it inside the backward formula")
+    finally:
+        eager.backward = original
+
+
+def _sample_all_threads(fn, calls: int, interval_s: float = 2e-4) -> None:
+    """Innermost Python frames of every thread but the sampler's, sampled while ``fn``
+    runs ``calls`` times: where the device thread's time goes."""
+    import collections
+    import sys
+    import threading
+
+    counts: collections.Counter = collections.Counter()
+    stop = threading.Event()
+    me = []
+
+    def sample():
+        me.append(threading.get_ident())
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not stop.wait(interval_s):
+            for ident, frame in sys._current_frames().items():
+                if ident == me[0]:
+                    continue
+                code = frame.f_code
+                where = (f"{code.co_filename.split('site-packages/')[-1]}:"
+                         f"{frame.f_lineno} {code.co_name}")
+                counts[(names.get(ident, f"thread {ident}"), where)] += 1
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        sampler.join()
+    total = sum(counts.values()) or 1
+    print("  sampled innermost frames (all threads, RMSNorm forward + backward):")
+    for (thread, where), n in counts.most_common(20):
+        print(f"    {100 * n / total:5.1f}%  {thread[:20]:20s} {where}")
 
 
 def _no_grad(fn, x):

@@ -187,6 +187,9 @@ def main(argv=None) -> int:
                    help="also print the per-kernel GPU time of one training step")
     p.add_argument("--host", action="store_true",
                    help="also print where the host's time of a training step goes")
+    p.add_argument("--backward-one-thread", action="store_true",
+                   help="run autograd's backward on the calling thread "
+                        "(torch.autograd.set_multithreading_enabled(False))")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     import pathlib
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
     if not ours:
         from benchmarks.run_side import patch_reference_check
         patch_reference_check(notes)
+    if args.backward_one_thread:
+        torch.autograd.set_multithreading_enabled(False)
+        notes.append("backward on the calling thread")
     net = build(args.model, args.tiny, device)
     params = sum(t.numel() for t in net.parameters())
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from fla.utils.compile_ahead import recording
+from fla.utils.direct_launch import DirectLauncher, direct_launch_enabled
 from fla.utils.triton_facts import TRITON_VERSION_STRING, device_name, is_interpreter
 
 __all__ = ["Config", "TunedKernel", "tuned", "tuning_enabled", "cache_dir"]
@@ -75,8 +76,9 @@ class Config:
         ident = (tuple(self.meta.items()), self.num_warps, self.num_stages)
         object.__setattr__(self, "_ident", ident)
         object.__setattr__(self, "_hash", hash(ident))
-        object.__setattr__(self, "_launch", {**self.meta, "num_warps": self.num_warps,
-                                             "num_stages": self.num_stages})
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_launch", {**self.meta, **options})
 
     def launch_kwargs(self) -> dict[str, Any]:
         """The keyword arguments a launch adds: meta-parameters, num_warps, num_stages."""
@@ -176,6 +178,10 @@ class TunedKernel:
         self._disk: dict[str, dict] | None = None
         self._lock = threading.Lock()
         self.stats = {"heuristic": 0, "tuned": 0, "disk_hits": 0, "skipped_configs": 0}
+        # Launches after the first at a key skip Triton's per-call Python path
+        # (fla/utils/direct_launch.py); the interpreter has no compiled kernel to keep.
+        self._direct = (DirectLauncher(kernel) if direct_launch_enabled()
+                        and not is_interpreter() and hasattr(kernel, "params") else None)
         self.failures: dict[tuple, dict[Config, str]] = {}
 
     # ------------------------------------------------------------------ public
@@ -269,6 +275,10 @@ class TunedKernel:
     def _run(self, config: Config, grid, named: Mapping[str, Any]):
         # No clash check here: a config reaches _run only after _run_first or _choose
         # checked the call's arguments against it.
+        if self._direct is not None:
+            args = {**named, **config.meta}
+            return self._direct.launch(self.kernel, config, self._grid(grid, args), args,
+                                       config._options)
         launch_args = {**named, **config._launch}
         return self.kernel[self._grid(grid, launch_args)](**launch_args)
 

@@ -1,0 +1,193 @@
+"""Launch an already compiled Triton kernel without Triton's per-call Python path.
+
+Why: a training step of a 340M-parameter model launches ~600 Triton kernels, and on the
+hosts we measured each launch cost 40-80 us of host time, about two thirds of it in
+``JITFunction.run`` (binding the arguments, building and formatting the cache key, the
+option dict's ``str()``, a launch-metadata object for the hook chain). When the GPU work
+of a kernel is shorter than that, the GPU waits for the host.
+
+What this does: the first launch at a given (config, argument specialization, device)
+goes through Triton as usual and returns its ``CompiledKernel``; later launches with an
+equal key call that kernel's launcher directly, with the same arguments Triton would pass
+(every parameter in signature order, constexprs included; the launcher skips those).
+This calling convention is the same on Triton 3.3 through 3.9.
+
+Correctness rests on one property: our key must be at least as fine as Triton's own
+specialization, so that two calls with equal keys would also have found the same compiled
+kernel in Triton's cache. Triton specializes, per non-constexpr argument:
+
+* a tensor on its dtype and on whether its address is a multiple of 16 bytes;
+* an integer on whether it equals 1, whether it is a multiple of 16, and on its type
+  (int32, int64 or uint64 by range); a bool as a 1-bit integer, a float as fp32;
+* None as a constexpr;
+
+and on every constexpr's value and the launch options (warps, stages: part of our
+config). The key below records all of these (more than Triton for ``do_not_specialize``
+arguments, which only costs an extra pass through Triton for a new combination). Any
+other argument type (tuples, tensor descriptors, NumPy scalars) sends the launch through
+Triton every time. So do launch hooks (a profiler such as proton installs them): the
+direct call would skip them.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["DirectLauncher", "direct_launch_enabled", "direct_launches"]
+
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def direct_launch_enabled() -> bool:
+    """``FLA_DIRECT_LAUNCH=0`` sends every launch through Triton's own path."""
+    return os.environ.get("FLA_DIRECT_LAUNCH", "1") not in ("0", "")
+
+
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def direct_launches(enabled: bool):
+    """Turn direct launches on or off inside a block (benchmarks and tests compare the
+    two paths in one process)."""
+    previous = _enabled[0]
+    _enabled[0] = enabled
+    try:
+        yield
+    finally:
+        _enabled[0] = previous
+
+
+def _hook_holder() -> Any:
+    """Where this Triton release keeps its launch hooks: ``knobs.runtime`` (3.4+) or the
+    ``CompiledKernel`` class (3.3)."""
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except ImportError:
+        from triton.compiler.compiler import CompiledKernel
+        return CompiledKernel
+
+
+_HOOKS = _hook_holder()
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook is set. Triton 3.6+ keeps an empty hook chain when none is
+    set: that counts as none."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class _Unsupported(Exception):
+    """An argument type this module does not specialize: launch through Triton."""
+
+
+def _specialization(value: Any) -> Any:
+    """What Triton specializes a non-constexpr argument on (or finer)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() & 15
+    kind = type(value)
+    if kind is int:
+        if _INT32_MIN <= value <= _INT32_MAX:
+            width = 32
+        elif _INT64_MIN <= value <= _INT64_MAX:
+            width = 64
+        else:
+            width = 65  # Triton's uint64
+        return width, value == 1, value & 15
+    if kind is bool or kind is float or value is None:
+        return kind
+    raise _Unsupported(kind)
+
+
+def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mapping[str, Any]):
+    """Two functions specialised to one kernel's parameter list, written out as code
+    (as Triton does for its binder): a loop over ~20 parameters with a call per item
+    costs several times more host time than one expression.
+
+    ``key(args, head)``: ``head`` followed by each parameter's part of the key.
+    ``values(args)``: every parameter's value in signature order, defaults filled in.
+    """
+    env = {"_spec": _specialization, "_Tensor": torch.Tensor}
+    reads = []
+    for i, name in enumerate(names):
+        if name in defaults:
+            env[f"_d{i}"] = defaults[name]
+            reads.append(f"args.get({name!r}, _d{i})")
+        else:
+            reads.append(f"args[{name!r}]")
+    parts = []
+    for i, (read, is_constexpr) in enumerate(zip(reads, constexpr)):
+        if is_constexpr:
+            parts.append(read)
+        else:  # tensors inline (most arguments); anything else through _spec
+            parts.append(f"((_v.dtype, _v.data_ptr() & 15) if (_v := {read}).__class__ "
+                         f"is _Tensor else _spec(_v))")
+    source = (f"def key(args, head):\n    return head + ({', '.join(parts)},)\n"
+              f"def values(args):\n    return [{', '.join(reads)}]\n")
+    exec(compile(source, "<fla.utils.direct_launch>", "exec"), env)  # noqa: S102
+    return env["key"], env["values"]
+
+
+class DirectLauncher:
+    """Per-kernel cache of compiled kernels for direct launches.
+
+    ``launch(jit_fn, config, grid, args, options)`` launches ``jit_fn`` with ``args`` (a
+    mapping of parameter names to values, the config's meta-parameters included; the
+    parameters with defaults may be left out) on ``grid`` (a tuple, already evaluated);
+    ``options`` are the launch options Triton takes as keywords (``num_warps``,
+    ``num_stages``).
+    """
+
+    def __init__(self, jit_fn):
+        params = jit_fn.params
+        self.names: tuple[str, ...] = tuple(p.name for p in params)
+        self.constexpr: tuple[bool, ...] = tuple(bool(p.is_constexpr) for p in params)
+        # Parameters with a default value the caller may leave out (Triton's binder
+        # fills them in; so do we).
+        self.defaults: dict[str, Any] = {
+            p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        self._key, self.values = _generated(self.names, self.constexpr, self.defaults)
+        self._compiled: dict[tuple, tuple[Callable, Any, Any]] = {}
+        self.stats = {"direct": 0, "through_triton": 0}
+
+    def key(self, config: Any, args: Mapping[str, Any]) -> tuple | None:
+        """The cache key of a launch, or None when an argument's type is not covered."""
+        try:
+            return self._key(args, (config, torch.cuda.current_device()))
+        except _Unsupported:
+            return None
+
+    def launch(self, jit_fn, config: Any, grid: Sequence[int], args: Mapping[str, Any],
+               options: Mapping[str, Any]):
+        key = None
+        if _enabled[0] and not _hooks_installed():
+            try:
+                key = self.key(config, args)
+                entry = self._compiled.get(key) if key is not None else None
+            except (TypeError, KeyError):  # an unhashable constexpr; a missing argument
+                key = entry = None
+            if entry is not None:
+                run, function, packed_metadata = entry
+                stream = torch._C._cuda_getCurrentRawStream(key[1])
+                g1 = grid[1] if len(grid) > 1 else 1
+                g2 = grid[2] if len(grid) > 2 else 1
+                self.stats["direct"] += 1
+                run(grid[0], g1, g2, stream, function, packed_metadata, None, None, None,
+                    *self.values(args))
+                return None
+        self.stats["through_triton"] += 1
+        compiled = jit_fn[grid](**args, **options)
+        if key is not None and compiled is not None:
+            if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
+                compiled = compiled.result()
+            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        return compiled

@@ -1,0 +1,148 @@
+"""Direct launches (fla/utils/direct_launch.py): the key must be at least as fine as
+Triton's own specialization, and a direct launch must compute what Triton's path does.
+
+The key tests run anywhere (Triton's specializer is plain host code); the launch tests
+need a GPU.
+"""
+import itertools
+import inspect
+
+import pytest
+import torch
+
+from fla.utils import direct_launch
+from fla.utils.direct_launch import DirectLauncher, _specialization, direct_launches
+
+
+def _triton_specialization():
+    """Triton's own (type, specialization) of a non-constexpr argument, or None where
+    this release does not expose it as one host function (3.3)."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError:
+        return None
+    return lambda value: native_specialize_impl(BaseBackend, value, False, True, True)
+
+
+def _values():
+    base = torch.arange(64, dtype=torch.float32)
+    half = torch.arange(64, dtype=torch.float16)
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+            -2**31, -2**31 - 1, -2**31 - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
+    return [base, base[1:], base[4:], base[8:], half, half[1:], half[8:],
+            *ints, True, False, 0.0, 1.0, 1.5, None]
+
+
+def test_our_key_is_at_least_as_fine_as_tritons():
+    triton_spec = _triton_specialization()
+    if triton_spec is None:
+        pytest.skip("this Triton release has no native specializer to compare with")
+    values = _values()
+    ours = [_specialization(v) for v in values]
+    theirs = [triton_spec(v) for v in values]
+    for i, j in itertools.combinations(range(len(values)), 2):
+        if ours[i] == ours[j]:
+            assert theirs[i] == theirs[j], (
+                f"our key merges {values[i]!r} and {values[j]!r}, which Triton "
+                f"specializes apart: {theirs[i]} vs {theirs[j]}")
+
+
+def test_key_separates_alignment_ints_and_types():
+    x = torch.arange(16, dtype=torch.float32)
+    assert _specialization(x) != _specialization(x[1:])            # 16-byte alignment
+    assert _specialization(x) == _specialization(x[4:])
+    assert _specialization(x) != _specialization(x.half())           # dtype
+    assert len({_specialization(v) for v in (1, 16, 17)}) == 3       # == 1, % 16
+    assert _specialization(2**31 - 1) != _specialization(2**31)       # int32 vs int64
+    assert _specialization(2**63 - 1) != _specialization(2**63)       # int64 vs uint64
+    with pytest.raises(direct_launch._Unsupported):
+        _specialization((1, 2))
+
+
+class _Param:
+    def __init__(self, name, constexpr=False, default=inspect.Parameter.empty):
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
+class _StandIn:
+    """The parts of a JITFunction a DirectLauncher reads."""
+    params = [_Param("x"), _Param("n"), _Param("flag", default=None),
+              _Param("BLOCK", constexpr=True)]
+
+
+def test_key_holds_constexpr_values_and_defaults(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = DirectLauncher(_StandIn())
+    x = torch.zeros(32)
+    key = launcher.key("cfg", {"x": x, "n": 17, "BLOCK": 64})          # flag: its default
+    assert key == launcher.key("cfg", {"x": x, "n": 33, "BLOCK": 64, "flag": None})
+    assert key != launcher.key("cfg", {"x": x, "n": 17, "BLOCK": 32})    # constexpr value
+    assert key != launcher.key("other", {"x": x, "n": 17, "BLOCK": 64})  # config
+    assert key != launcher.key("cfg", {"x": x, "n": 16, "BLOCK": 64})    # n % 16
+    assert launcher.key("cfg", {"x": (x,), "n": 1, "BLOCK": 64}) is None  # unsupported
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_direct_launches_match_tritons_path_on_every_specialization():
+    from tests.utils.tiny_kernels import double_kernel, grid, make_tuned
+    from fla.utils.tuning import Config
+
+    kernel = make_tuned(lambda a: Config(BLOCK=64, num_warps=2))
+    assert kernel._direct is not None
+    base = torch.randn(4096 + 64, device="cuda")
+    # Aligned and misaligned starts, lengths that are and are not multiples of 16, n == 1:
+    # each is a separate Triton specialization; reusing the wrong one would read the
+    # wrong elements or mask wrongly.
+    for offset, n in [(0, 4096), (1, 4096), (0, 4095), (3, 1000), (0, 1), (5, 1), (8, 17),
+                      (0, 4096), (1, 4096), (3, 1000)]:
+        x = base[offset:offset + n]
+        y = torch.full_like(x, float("nan"))
+        kernel[grid](x=x, y=y, n=n, D=16)
+        torch.testing.assert_close(y, 2 * x, rtol=0, atol=0)
+    assert kernel._direct.stats["direct"] >= 3      # the repeated rows went direct
+    with direct_launches(False):
+        before = dict(kernel._direct.stats)
+        y = torch.empty(4096, device="cuda")
+        kernel[grid](x=base[:4096], y=y, n=4096, D=16)
+        assert kernel._direct.stats["direct"] == before["direct"]
+    assert double_kernel is kernel.kernel
+
+
+@pytest.mark.gpu
+def test_a_launch_hook_sends_launches_through_triton():
+    from tests.utils.tiny_kernels import grid, make_tuned
+    from fla.utils.tuning import Config
+
+    try:
+        from triton import knobs
+    except ImportError:
+        pytest.skip("Triton 3.3 keeps its hooks on CompiledKernel")
+    kernel = make_tuned(lambda a: Config(BLOCK=64, num_warps=2))
+    x = torch.randn(256, device="cuda")
+    y = torch.empty_like(x)
+    kernel[grid](x=x, y=y, n=256, D=16)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            kernel[grid](x=x, y=y, n=256, D=16)
+        finally:
+            chain.remove(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            kernel[grid](x=x, y=y, n=256, D=16)
+        finally:
+            knobs.runtime.launch_enter_hook = None
+    assert len(seen) == 1
+    kernel[grid](x=x, y=y, n=256, D=16)
+    assert kernel._direct.stats["direct"] >= 1
+    torch.testing.assert_close(y, 2 * x, rtol=0, atol=0)
