@@ -158,7 +158,8 @@ class FLAModel(FLAPreTrainedModel):
         ``attention_mask [B, L ≥ T]``: 2-D padding mask (left padding; see
         :mod:`fla.layers.utils`). ``cu_seqlens [N + 1]``: packed sequences in a batch of
         one (B == 1), no state or attention crosses a boundary. ``past_key_values``: a
-        :class:`fla.models.utils.Cache`, created when ``use_cache`` and None.
+        :class:`fla.models.utils.Cache`, created when ``use_cache`` and None; ``use_cache``
+        defaults to the config's in eval mode and to False in training mode.
         Everything is checked before any kernel runs.
         """
         if (input_ids is None) == (inputs_embeds is None):
@@ -188,7 +189,11 @@ class FLAModel(FLAPreTrainedModel):
             raise TypeError(f"past_key_values: expected a fla.models.utils.Cache, got "
                             f"{type(past_key_values).__name__}")
 
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:
+            # A training forward returns no cache unless asked for one: building it costs
+            # the final states and convolution caches of every layer (and keeps the q, k, v
+            # projections and convolutions from running fused, fla/layers/utils.py).
+            use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
             use_cache = False  # recomputed blocks must not write the cache twice
         output_attentions = bool(output_attentions)

@@ -70,6 +70,13 @@ def _default(args) -> Config:
     return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=4, num_stages=1)
 
 
+def _default_dw(args) -> Config:
+    # Backward pass 1 at 2 warps: on an H100 (B=4, T=4096, D=3072, W=4, SiLU, bf16,
+    # Triton 3.6; FLA_TUNE=1 over the space below) the whole backward took 0.267 ms with
+    # it against 0.355 ms at 4 warps (its per-program column sums cross fewer warps).
+    return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=2, num_stages=1)
+
+
 def _space(args) -> list[Config]:
     widths = sorted({min(bd, triton.next_power_of_2(args["D"])) for bd in (16, 32, 64, 128, 256)})
     return [Config(BD=bd, num_warps=w, num_stages=1) for bd in widths for w in (1, 2, 4, 8)]
@@ -135,7 +142,7 @@ def causal_conv1d_fwd_kernel(
             tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=(o_w < W)[:, None] & m_d[None, :])
 
 
-@tuned(key=["D", "W", "x", "ACTIVATION"], default=_default, space=_space)
+@tuned(key=["D", "W", "x", "ACTIVATION"], default=_default_dw, space=_space)
 @triton.jit(do_not_specialize=["T"])
 def causal_conv1d_bwd_dw_kernel(
     x, w, b, h0, dy, dz, dw, db, cu_seqlens, chunk_indices, T,

@@ -189,6 +189,21 @@ def test_training_lowers_loss(name, seed):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.parametrize("name", ["gated_deltanet", "gated_deltanet_hybrid"])
+def test_training_mode_builds_no_cache_unless_asked(name, seed):
+    # A cache costs every layer's final states and convolution caches, and keeps q, k, v
+    # from running as one projection and one convolution: a training forward skips it.
+    model = make(name)
+    ids = token_ids(seed, 2, 12)
+    assert model(ids).past_key_values is not None            # eval: the config's use_cache
+    model.train()
+    out = model(ids)
+    assert out.past_key_values is None
+    assert model(ids, use_cache=True).past_key_values is not None
+    model.eval()
+    assert_rel_close("logits", model(ids).logits, out.logits, 1e-5)  # the same maths
+
+
 @pytest.mark.parametrize("name", ["rwkv6", "rwkv7"])
 def test_rwkv_embeddings_norm(name, seed):
     """RWKV's ln0: a LayerNorm of the embeddings before the first block (norm_first, on by
