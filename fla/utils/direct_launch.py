@@ -93,7 +93,7 @@ class _Unsupported(Exception):
 def _specialization(value: Any) -> Any:
     """What Triton specializes a non-constexpr argument on (or finer)."""
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() & 15
+        return value.dtype, not value.data_ptr() & 15
     kind = type(value)
     if kind is int:
         if _INT32_MIN <= value <= _INT32_MAX:
@@ -102,7 +102,7 @@ def _specialization(value: Any) -> Any:
             width = 64
         else:
             width = 65  # Triton's uint64
-        return width, value == 1, value & 15
+        return width, value == 1, not value & 15
     if kind is bool or kind is float or value is None:
         return kind
     raise _Unsupported(kind)
@@ -129,7 +129,7 @@ def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mappin
         if is_constexpr:
             parts.append(read)
         else:  # tensors inline (most arguments); anything else through _spec
-            parts.append(f"((_v.dtype, _v.data_ptr() & 15) if (_v := {read}).__class__ "
+            parts.append(f"((_v.dtype, not _v.data_ptr() & 15) if (_v := {read}).__class__ "
                          f"is _Tensor else _spec(_v))")
     source = (f"def key(args, head):\n    return head + ({', '.join(parts)},)\n"
               f"def values(args):\n    return [{', '.join(reads)}]\n")

@@ -22,6 +22,7 @@ from fla.ops.mamba2 import (
 from tests.helpers import (
     TOLERANCE,
     assert_rel_close,
+    assert_sum_close,
     cu_seqlens_of,
     generator,
     randn,
@@ -113,8 +114,44 @@ def compare_chunk(inputs, dtype, device, gen, *, chunk_size=64, cu_seqlens=None,
             continue
         assert grads[name] is not None, f"no gradient for {name}"
         assert grads[name].dtype == leaf.dtype, name
-        assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+        if name in ("A", "dt_bias"):
+            # Per-head sums over every token: bounded by the size of the summed terms
+            # (tests/helpers.assert_sum_close), their relative error being the sum's
+            # cancellation (dA: 5.2e-3 against 5e-3 at one fp16 seed).
+            terms = per_token_terms(name, ref_leaves, g_ref, dy, dht, cu_seqlens, options)
+            torch.testing.assert_close(terms.sum((0, 1)), g_ref[name].to(terms.dtype))
+            assert_sum_close(f"d{name}", grads[name], g_ref[name], terms, tol)
+        else:
+            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
     return y, ht, grads
+
+
+def per_token_terms(name, ref_leaves, g_ref, dy, dht, cu_seqlens, options):
+    """``[b, T, H]`` float64 terms whose sum over tokens is the reference's d``name``:
+    for dt_bias (added to dt) dt's gradient; for A, ∂L/∂(dt·A)_t · dt_t, read from the
+    simple-GLA form of the same recurrence (naive.ssd_as_simple_gla) with a hook on
+    its gate g = dt·A."""
+    if name == "dt_bias":
+        return g_ref["dt"]
+    import fla.ops.mamba2.naive as naive
+
+    captured = {}
+    original = naive.naive_recurrent_simple_gla
+
+    def with_hook(q, k, v, g, **kwargs):
+        captured["g"] = g
+        g.register_hook(lambda grad: captured.__setitem__("dg", grad))
+        return original(q, k, v, g=g, **kwargs)
+
+    again = {n: None if t is None else t.detach().clone().requires_grad_()
+             for n, t in ref_leaves.items()}
+    naive.naive_recurrent_simple_gla = with_hook
+    try:
+        run_chunk(naive.ssd_as_simple_gla, again, dy, dht, cu_seqlens=cu_seqlens, **options)
+    finally:
+        naive.naive_recurrent_simple_gla = original
+    dt_eff = captured["g"].detach() / again["A"].detach()
+    return captured["dg"] * dt_eff
 
 
 # ------------------------------------------------------- mamba_chunk_scan_combined
