@@ -22,11 +22,17 @@ kernel in Triton's cache. Triton specializes, per non-constexpr argument:
 * None as a constexpr;
 
 and on every constexpr's value and the launch options (warps, stages: part of our
-config). The key below records all of these (more than Triton for ``do_not_specialize``
-arguments, which only costs an extra pass through Triton for a new combination). Any
-other argument type (tuples, tensor descriptors, NumPy scalars) sends the launch through
-Triton every time. So do launch hooks (a profiler such as proton installs them): the
-direct call would skip them.
+config), plus the runtime switches Triton reads at each call (``debug``, the
+instrumentation mode of its sanitizers, ...). The key below records all of these (more
+than Triton for ``do_not_specialize`` arguments, which only costs an extra pass through
+Triton for a new combination). Any other argument type (tuples, tensor descriptors, NumPy
+scalars, integers outside 64 bits) sends the launch through Triton every time. So do
+launch hooks (a profiler such as proton installs them) and a kernel's pre-run hooks: the
+direct call would skip them. Not kept: Triton's check that a global a kernel read has
+not changed since it compiled (our kernels read module constants only).
+
+CUDA only: on ROCm, Triton also specializes a tensor on whether its storage is under 2 GB
+(buffer operations), which this key does not record.
 """
 from __future__ import annotations
 
@@ -77,6 +83,29 @@ def _hook_holder() -> Any:
 _HOOKS = _hook_holder()
 
 
+def _switches_reader() -> Callable[[], tuple]:
+    """A function returning the runtime switches Triton folds into its cache key at each
+    call: ``knobs.runtime.debug``, the compilation instrumentation mode (sanitizers),
+    fpsan's cast mode and the stage-inspection hook on 3.4+ (whichever exist),
+    ``TRITON_DEBUG`` on 3.3. Keyed, so that turning one on mid-run compiles anew, as it
+    would through Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return lambda: (os.environ.get("TRITON_DEBUG"),)
+    runtime, compilation = knobs.runtime, knobs.compilation
+    names = [(runtime, "debug"), (compilation, "instrumentation_mode"),
+             (compilation, "fpsan_homomorphic_casts"), (runtime, "add_stages_inspection_hook")]
+    env = {f"_h{i}": holder for i, (holder, _) in enumerate(names)}
+    reads = "".join(f"_h{i}.{name}, " for i, (holder, name) in enumerate(names)
+                    if hasattr(holder, name))
+    # Written out as one expression: it runs at every launch.
+    return eval(f"lambda: ({reads})", env)  # noqa: S307 - names from the list above
+
+
+_switches = _switches_reader()
+
+
 def _hooks_installed() -> bool:
     """Whether a launch hook is set. Triton 3.6+ keeps an empty hook chain when none is
     set: that counts as none."""
@@ -100,8 +129,10 @@ def _specialization(value: Any) -> Any:
             width = 32
         elif _INT64_MIN <= value <= _INT64_MAX:
             width = 64
-        else:
+        elif _INT64_MAX < value < (1 << 64):
             width = 65  # Triton's uint64
+        else:
+            raise _Unsupported(kind)  # Triton's own handling differs by release
         return width, value == 1, not value & 15
     if kind is bool or kind is float or value is None:
         return kind
@@ -126,12 +157,12 @@ def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mappin
             reads.append(f"args[{name!r}]")
     parts = []
     for i, (read, is_constexpr) in enumerate(zip(reads, constexpr)):
-        if is_constexpr:
-            parts.append(read)
+        if is_constexpr:  # with its type: 1, True and 1.0 are equal but compile apart
+            parts.append(f"(_c := {read}).__class__, _c")
         else:  # tensors inline (most arguments); anything else through _spec
             parts.append(f"((_v.dtype, not _v.data_ptr() & 15) if (_v := {read}).__class__ "
                          f"is _Tensor else _spec(_v))")
-    source = (f"def key(args, head):\n    return head + ({', '.join(parts)},)\n"
+    source = (f"def key(args, head):\n    return head + ({''.join(p + ', ' for p in parts)})\n"
               f"def values(args):\n    return [{', '.join(reads)}]\n")
     exec(compile(source, "<fla.utils.direct_launch>", "exec"), env)  # noqa: S102
     return env["key"], env["values"]
@@ -156,27 +187,32 @@ class DirectLauncher:
         self.defaults: dict[str, Any] = {
             p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self._key, self.values = _generated(self.names, self.constexpr, self.defaults)
-        self._compiled: dict[tuple, tuple[Callable, Any, Any]] = {}
+        self._jit_fn = jit_fn
+        self._pre_run_hooks = getattr(jit_fn, "pre_run_hooks", ())
+        # (launcher, function handle, packed metadata, the CompiledKernel): the last only
+        # keeps the kernel alive, whose destructor unloads its module (Triton 3.9).
+        self._compiled: dict[tuple, tuple[Callable, Any, Any, Any]] = {}
         self.stats = {"direct": 0, "through_triton": 0}
 
     def key(self, config: Any, args: Mapping[str, Any]) -> tuple | None:
         """The cache key of a launch, or None when an argument's type is not covered."""
         try:
-            return self._key(args, (config, torch.cuda.current_device()))
+            return self._key(args, (config, torch.cuda.current_device(),
+                                    getattr(self._jit_fn, "debug", None), _switches()))
         except _Unsupported:
             return None
 
     def launch(self, jit_fn, config: Any, grid: Sequence[int], args: Mapping[str, Any],
                options: Mapping[str, Any]):
         key = None
-        if _enabled[0] and not _hooks_installed():
+        if _enabled[0] and not _hooks_installed() and not self._pre_run_hooks:
             try:
                 key = self.key(config, args)
                 entry = self._compiled.get(key) if key is not None else None
             except (TypeError, KeyError):  # an unhashable constexpr; a missing argument
                 key = entry = None
             if entry is not None:
-                run, function, packed_metadata = entry
+                run, function, packed_metadata, _ = entry
                 stream = torch._C._cuda_getCurrentRawStream(key[1])
                 g1 = grid[1] if len(grid) > 1 else 1
                 g2 = grid[2] if len(grid) > 2 else 1
@@ -189,5 +225,6 @@ class DirectLauncher:
         if key is not None and compiled is not None:
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
                 compiled = compiled.result()
-            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata,
+                                   compiled)
         return compiled

@@ -181,7 +181,8 @@ class TunedKernel:
         # Launches after the first at a key skip Triton's per-call Python path
         # (fla/utils/direct_launch.py); the interpreter has no compiled kernel to keep.
         self._direct = (DirectLauncher(kernel) if direct_launch_enabled()
-                        and not is_interpreter() and hasattr(kernel, "params") else None)
+                        and not is_interpreter() and torch.version.hip is None
+                        and hasattr(kernel, "params") else None)
         self.failures: dict[tuple, dict[Config, str]] = {}
 
     # ------------------------------------------------------------------ public

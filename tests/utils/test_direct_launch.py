@@ -56,8 +56,9 @@ def test_key_separates_alignment_ints_and_types():
     assert len({_specialization(v) for v in (1, 16, 17)}) == 3       # == 1, % 16
     assert _specialization(2**31 - 1) != _specialization(2**31)       # int32 vs int64
     assert _specialization(2**63 - 1) != _specialization(2**63)       # int64 vs uint64
-    with pytest.raises(direct_launch._Unsupported):
-        _specialization((1, 2))
+    for unsupported in ((1, 2), 2**64, -2**63 - 1):
+        with pytest.raises(direct_launch._Unsupported):
+            _specialization(unsupported)
 
 
 class _Param:
@@ -81,6 +82,21 @@ def test_key_holds_constexpr_values_and_defaults(monkeypatch):
     assert key != launcher.key("other", {"x": x, "n": 17, "BLOCK": 64})  # config
     assert key != launcher.key("cfg", {"x": x, "n": 16, "BLOCK": 64})    # n % 16
     assert launcher.key("cfg", {"x": (x,), "n": 1, "BLOCK": 64}) is None  # unsupported
+    # A constexpr's type counts (1, True and 1.0 compare equal but compile apart).
+    assert len({launcher.key("cfg", {"x": x, "n": 17, "BLOCK": v}) for v in (1, True, 1.0)}) == 3
+    # Triton's runtime switches (debug, sanitizer instrumentation) are part of the key.
+    monkeypatch.setattr(direct_launch, "_switches", lambda: ("instrumented",))
+    assert launcher.key("cfg", {"x": x, "n": 17, "BLOCK": 64}) != key
+
+
+def test_a_kernel_without_parameters_gets_a_key(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class NoParams:
+        params = []
+
+    launcher = DirectLauncher(NoParams())
+    assert launcher.key("cfg", {})[0] == "cfg" and launcher.values({}) == []
 
 
 # ----------------------------------------------------------------------------- GPU
