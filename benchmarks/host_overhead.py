@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         norm.weight.grad = None
 
     compiled = tuned.kernel[grid](**named, **meta)
-    values = [named.get(name, meta.get(name)) for name in tuned._direct.names]
+    values = tuned._direct.values({**named, **config.meta})
     stream = torch.cuda.current_stream().cuda_stream
 
     def bare_launcher():  # the floor: the compiled kernel's launcher, nothing around it

@@ -62,19 +62,20 @@ ACTIVATIONS = (None, "silu", "swish")
 CONV_BT = 64
 
 
-def _default(args) -> Config:
+def _default(args, num_warps: int = 4) -> Config:
     # 64 channels × 64 rows on 4 warps. On an H100 (B=4, T=4096, D=4096, W=4, bf16,
     # Triton 3.6) it was the fastest forward (120-134 us, 2.0-2.2 TB/s) of BD in
     # {16, ..., 256} × warps in {1, 2, 4, 8}, although ptxas spills a few hundred bytes
     # with a cache (the W shifted x and cache tiles are all in flight at once).
-    return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=4, num_stages=1)
+    return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=num_warps,
+                  num_stages=1)
 
 
 def _default_dw(args) -> Config:
     # Backward pass 1 at 2 warps: on an H100 (B=4, T=4096, D=3072, W=4, SiLU, bf16,
     # Triton 3.6; FLA_TUNE=1 over the space below) the whole backward took 0.267 ms with
     # it against 0.355 ms at 4 warps (its per-program column sums cross fewer warps).
-    return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=2, num_stages=1)
+    return _default(args, num_warps=2)
 
 
 def _space(args) -> list[Config]:

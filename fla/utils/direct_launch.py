@@ -43,6 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from fla.utils.triton_facts import launch_hook_holder, runtime_switches_reader
+
 __all__ = ["DirectLauncher", "direct_launch_enabled", "direct_launches"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -69,41 +71,8 @@ def direct_launches(enabled: bool):
         _enabled[0] = previous
 
 
-def _hook_holder() -> Any:
-    """Where this Triton release keeps its launch hooks: ``knobs.runtime`` (3.4+) or the
-    ``CompiledKernel`` class (3.3)."""
-    try:
-        from triton import knobs
-        return knobs.runtime
-    except ImportError:
-        from triton.compiler.compiler import CompiledKernel
-        return CompiledKernel
-
-
-_HOOKS = _hook_holder()
-
-
-def _switches_reader() -> Callable[[], tuple]:
-    """A function returning the runtime switches Triton folds into its cache key at each
-    call: ``knobs.runtime.debug``, the compilation instrumentation mode (sanitizers),
-    fpsan's cast mode and the stage-inspection hook on 3.4+ (whichever exist),
-    ``TRITON_DEBUG`` on 3.3. Keyed, so that turning one on mid-run compiles anew, as it
-    would through Triton."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return lambda: (os.environ.get("TRITON_DEBUG"),)
-    runtime, compilation = knobs.runtime, knobs.compilation
-    names = [(runtime, "debug"), (compilation, "instrumentation_mode"),
-             (compilation, "fpsan_homomorphic_casts"), (runtime, "add_stages_inspection_hook")]
-    env = {f"_h{i}": holder for i, (holder, _) in enumerate(names)}
-    reads = "".join(f"_h{i}.{name}, " for i, (holder, name) in enumerate(names)
-                    if hasattr(holder, name))
-    # Written out as one expression: it runs at every launch.
-    return eval(f"lambda: ({reads})", env)  # noqa: S307 - names from the list above
-
-
-_switches = _switches_reader()
+_HOOKS = launch_hook_holder()
+_switches = runtime_switches_reader()
 
 
 def _hooks_installed() -> bool:

@@ -175,3 +175,34 @@ def fp32_dot_precision(input_dtype) -> str:
     if input_dtype == torch.float32 or is_interpreter():
         return dot_precision(torch.float32)
     return "tf32"
+
+
+def launch_hook_holder():
+    """Where this Triton release keeps its launch hooks: ``knobs.runtime`` (3.4+) or the
+    ``CompiledKernel`` class (3.3). Used by :mod:`fla.utils.direct_launch`."""
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except ImportError:
+        from triton.compiler.compiler import CompiledKernel
+        return CompiledKernel
+
+
+def runtime_switches_reader():
+    """A function returning the runtime switches Triton folds into its cache key at each
+    call: ``knobs.runtime.debug``, the compilation instrumentation mode (sanitizers),
+    fpsan's cast mode and the stage-inspection hook on 3.4+ (whichever exist),
+    ``TRITON_DEBUG`` on 3.3. Keyed, so that turning one on mid-run compiles anew, as it
+    would through Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return lambda: (os.environ.get("TRITON_DEBUG"),)
+    runtime, compilation = knobs.runtime, knobs.compilation
+    names = [(runtime, "debug"), (compilation, "instrumentation_mode"),
+             (compilation, "fpsan_homomorphic_casts"), (runtime, "add_stages_inspection_hook")]
+    env = {f"_h{i}": holder for i, (holder, _) in enumerate(names)}
+    reads = "".join(f"_h{i}.{name}, " for i, (holder, name) in enumerate(names)
+                    if hasattr(holder, name))
+    # Written out as one expression: it runs at every launch.
+    return eval(f"lambda: ({reads})", env)  # noqa: S307 - names from the list above
