@@ -120,26 +120,25 @@ def _launch_rows(kernel, N: int, D: int, **args) -> None:
 def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS,
                output_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward on validated input: ``x [..., D]`` -> ``(y [..., D] in output_dtype
-    (None: x's), rstd [...] fp32)``."""
-    shape, D = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    N = x2.shape[0]
-    y = torch.empty(x2.shape, dtype=output_dtype or x.dtype, device=x.device)
-    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
-    _launch_rows(l2norm_fwd_kernel, N, D, x=x2, y=y, rstd=rstd, eps=float(eps))
-    return y.view(shape), rstd.view(shape[:-1])
+    (None: x's), rstd [...] fp32)``. The kernels index contiguous rows of any leading
+    shape: nothing is reshaped (a view per call is host time on every layer)."""
+    x = x.contiguous()
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=output_dtype or x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    _launch_rows(l2norm_fwd_kernel, x.numel() // D, D, x=x, y=y, rstd=rstd, eps=float(eps))
+    return y, rstd
 
 
 def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Triton backward: ``dx [..., D]`` in x's dtype from the forward's input x, its
     rstd and the output gradient dy."""
-    shape, D = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    dy2 = dy.reshape(-1, D).contiguous()
-    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch_rows(l2norm_bwd_kernel, x2.shape[0], D, x=x2, rstd=rstd.reshape(-1).contiguous(),
-                 dy=dy2, dx=dx)
-    return dx.view(shape)
+    x = x.contiguous()
+    D = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rows(l2norm_bwd_kernel, x.numel() // D, D, x=x, rstd=rstd.contiguous(),
+                 dy=dy.contiguous(), dx=dx)
+    return dx
 
 
 # The Triton forward and backward as the custom ops fla::l2norm_fwd / fla::l2norm_bwd (one

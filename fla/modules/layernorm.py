@@ -67,19 +67,24 @@ def check_hidden_size(x: torch.Tensor, hidden_size: int) -> None:
 
 def check_norm_inputs(x, weight, bias, residual=None, g=None, eps=1e-5, num_groups=1,
                       activation=None) -> int:
-    """Every rule of a norm call, before anything runs; returns the ACTIVATION code."""
+    """Every rule of a norm call, before anything runs; returns the ACTIVATION code.
+    (Written for the common case's host time: every norm of a model runs it per call.)"""
     check_tensor("x", x)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
     D = x.shape[-1]
-    _check_groups(num_groups, D, "the hidden size (the last dim of x)")
+    if num_groups.__class__ is not int or num_groups != 1:
+        _check_groups(num_groups, D, "the hidden size (the last dim of x)")
+    device = x.device
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
         check_tensor(name, p)
-        if tuple(p.shape) != (D,):
+        if p.dim() != 1 or p.shape[0] != D:
             raise ValueError(f"{name}: expected shape ({D},), the hidden size D = {D} (the "
                              f"last dim of x), got shape {tuple(p.shape)}")
+        if p.device != device:
+            check_same_device(x=x, **{name: p})
     for name, t in (("residual", residual), ("g", g)):
         if t is None:
             continue
@@ -87,8 +92,10 @@ def check_norm_inputs(x, weight, bias, residual=None, g=None, eps=1e-5, num_grou
         if t.shape != x.shape:
             raise ValueError(f"{name}: expected the shape of x, {tuple(x.shape)}, got "
                              f"{tuple(t.shape)}")
-    check_same_device(x=x, weight=weight, bias=bias, residual=residual, g=g)
-    check_eps(eps)
+        if t.device != device:
+            check_same_device(x=x, **{name: t})
+    if eps.__class__ is not float or not 0.0 <= eps < math.inf:
+        check_eps(eps)
     if activation is None:
         return 0
     if activation not in ACTIVATIONS:
@@ -124,13 +131,9 @@ def _norm_torch(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, acti
 
 
 # ----------------------------------------------------------------------- Triton path
-def _rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
-    return None if t is None else t.reshape(-1, width).contiguous()
-
-
 # The kernels as the custom ops fla::norm_fwd / fla::norm_bwd (one node each under
 # torch.compile; their fakes are the launchers with the launches skipped), joined by the
-# autograd formula below. They take rows: ``[N, G·D]`` contiguous, shaped outside.
+# autograd formula below. They take contiguous ``[..., G·D]`` tensors, any leading shape.
 _norm_fwd_op = stage_op(
     "norm_fwd", norm_fwd, label="norm.fwd",
     schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? g, float eps, "
@@ -181,13 +184,11 @@ _norm_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 def _norm_triton(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
                  residual_dtype):
     """The Triton path through fla::norm_fwd: ``(y, residual_out or None)`` shaped like x."""
-    shape, width = x.shape, x.shape[-1]
     y, residual_out, _, _ = _norm_fwd_op(
-        _rows(x, width), contiguous_or_none(weight), contiguous_or_none(bias), _rows(residual, width),
-        _rows(g, width), eps, num_groups, is_rms_norm, activation, residual_dtype)
-    if residual_dtype is None:
-        return y.view(shape), None
-    return y.view(shape), residual_out.view(shape)
+        x.contiguous(), contiguous_or_none(weight), contiguous_or_none(bias),
+        contiguous_or_none(residual), contiguous_or_none(g), eps, num_groups, is_rms_norm,
+        activation, residual_dtype)
+    return y, (None if residual_dtype is None else residual_out)
 
 
 # ------------------------------------------------------------------------ entry point

@@ -22,7 +22,8 @@ Two paths, picked by the launchers from D alone:
   ``MAX_SINGLE_PASS_BWD_D``): a program holds whole segments in registers (BLOCK =
   next_power_of_2(D)); the forward takes BR segments per program, the backward is a
   persistent grid whose programs loop over rows, keep dγ/dβ partial sums in fp32
-  registers and write one ``[P, G·D]`` partial each, summed by torch afterwards.
+  registers and write one ``[P, G·D]`` partial each, summed afterwards in one launch
+  (:func:`fla.ops.utils.partial_sums.sum_partials`).
 * multi pass (wider segments): a statistics kernel walks each segment in BLOCK-wide
   chunks (μ and rstd forward, mean(ŝ·w) and mean(w) backward), then the same two kernels
   run with one chunk per program (``STATS_GIVEN``), reading the statistics instead of
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.utils.partial_sums import sum_partials
 from fla.utils.triton_facts import multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
@@ -477,13 +479,15 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
              residual: torch.Tensor | None, g: torch.Tensor | None, eps: float,
              num_groups: int, is_rms_norm: bool, activation: int,
              residual_dtype: torch.dtype | None):
-    """Forward over ``x: [N, G·D]`` (contiguous; residual and g alike).
+    """Forward over the N rows of ``x: [..., G·D]`` (contiguous; residual and g alike).
 
-    Returns ``(y [N, G·D] in x's dtype, residual_out or None, mean [N·G] fp32 or None,
-    rstd [N·G] fp32)``; ``residual_out = x + residual`` in ``residual_dtype`` is stored
-    only when ``residual_dtype`` is given.
+    Returns ``(y shaped like x in x's dtype, residual_out or None, mean [N·G] fp32 or
+    None, rstd [N·G] fp32)``; ``residual_out = x + residual`` in ``residual_dtype`` is
+    stored only when ``residual_dtype`` is given. Rows are never reshaped here: the
+    kernels index contiguous rows, and a view per call costs host time.
     """
-    N, width = x.shape
+    width = x.shape[-1]
+    N = x.numel() // width
     G = num_groups
     D = width // G
     R = N * G
@@ -512,13 +516,15 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
              rstd: torch.Tensor, dresidual_out: torch.Tensor | None, num_groups: int,
              is_rms_norm: bool, activation: int, x_dtype: torch.dtype,
              residual_dtype: torch.dtype | None):
-    """Backward of :func:`norm_fwd`; ``s`` is what was normalised (x, or residual_out).
+    """Backward of :func:`norm_fwd`; ``s`` is what was normalised (x, or residual_out),
+    ``[..., G·D]`` contiguous, dy, g and dresidual_out alike.
 
     Returns ``(dx in x_dtype, dresidual in residual_dtype or None, dg or None,
     dweight or None, dbias or None)``, each shaped like its input; dweight and dbias in
     the parameter's dtype.
     """
-    N, width = s.shape
+    width = s.shape[-1]
+    N = s.numel() // width
     G = num_groups
     D = width // G
     BLOCK, NCHUNK = row_layout(D, min(MAX_SINGLE_PASS_D, MAX_SINGLE_PASS_BWD_D))
@@ -546,6 +552,11 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
         HAS_DRESIDUAL_OUT=dresidual_out is not None, HAS_DRESIDUAL=dresidual is not None,
         STATS_GIVEN=NCHUNK > 1)
-    dweight = None if weight is None else dw_part.sum(0).to(weight.dtype)
-    dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
+    dweight = dbias = None
+    if weight is not None and bias is not None:
+        dweight, dbias = sum_partials(dw_part, weight, db_part, bias)
+    elif weight is not None:
+        dweight = sum_partials(dw_part, weight)
+    elif bias is not None:
+        dbias = sum_partials(db_part, bias)
     return dx, dresidual, dg, dweight, dbias

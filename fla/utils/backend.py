@@ -42,11 +42,15 @@ def select_backend(*tensors: torch.Tensor | None) -> Backend:
     Raises ``ValueError`` when ``FLA_BACKEND=triton`` asks for kernels on CPU tensors
     outside the interpreter: nothing could run them.
     """
-    on_cuda = any(t is not None and t.is_cuda for t in tensors)
-    forced = forced_backend()
+    # Runs at every call of every op and module: one environment read when unset, a
+    # plain loop (no generator).
+    forced = forced_backend() if os.environ.get("FLA_BACKEND") else None
     if forced is Backend.TORCH:
         return Backend.TORCH
-    if on_cuda or is_interpreter():
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            return Backend.TRITON
+    if is_interpreter():
         return Backend.TRITON
     if forced is Backend.TRITON:
         raise ValueError(

@@ -108,12 +108,15 @@ def _specialization(value: Any) -> Any:
     raise _Unsupported(kind)
 
 
-def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mapping[str, Any]):
+def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mapping[str, Any],
+               valued: frozenset = frozenset()):
     """Two functions specialised to one kernel's parameter list, written out as code
     (as Triton does for its binder): a loop over ~20 parameters with a call per item
     costs several times more host time than one expression.
 
-    ``key(args, head)``: ``head`` followed by each parameter's part of the key.
+    ``key(args, head)``: ``head`` followed by each parameter's part of the key; the
+    parameters in ``valued`` (non-constexpr ones whose whole value matters to the caller,
+    such as a tuning key's) also add their value.
     ``values(args)``: every parameter's value in signature order, defaults filled in.
     """
     env = {"_spec": _specialization, "_Tensor": torch.Tensor}
@@ -125,12 +128,13 @@ def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mappin
         else:
             reads.append(f"args[{name!r}]")
     parts = []
-    for i, (read, is_constexpr) in enumerate(zip(reads, constexpr)):
+    for read, is_constexpr, name in zip(reads, constexpr, names):
         if is_constexpr:  # with its type: 1, True and 1.0 are equal but compile apart
             parts.append(f"(_c := {read}).__class__, _c")
-        else:  # tensors inline (most arguments); anything else through _spec
+        else:  # tensors and None inline (most arguments); anything else through _spec
+            other = "(_spec(_v), _v)" if name in valued else "_spec(_v)"
             parts.append(f"((_v.dtype, not _v.data_ptr() & 15) if (_v := {read}).__class__ "
-                         f"is _Tensor else _spec(_v))")
+                         f"is _Tensor else None if _v is None else {other})")
     source = (f"def key(args, head):\n    return head + ({''.join(p + ', ' for p in parts)})\n"
               f"def values(args):\n    return [{', '.join(reads)}]\n")
     exec(compile(source, "<fla.utils.direct_launch>", "exec"), env)  # noqa: S102
@@ -145,9 +149,16 @@ class DirectLauncher:
     parameters with defaults may be left out) on ``grid`` (a tuple, already evaluated);
     ``options`` are the launch options Triton takes as keywords (``num_warps``,
     ``num_stages``).
+
+    The tuning layer also keeps, per kernel, a map from the *caller's* arguments (those
+    it passes, without the config's meta-parameters) to the config it was given and the
+    compiled kernel (:meth:`remember`, :meth:`lookup`): a repeated call then costs one
+    key and one dict lookup instead of choosing the config and keying the launch apart.
+    That key holds the whole value of ``valued`` parameters (the tuning key's), so that
+    it determines the config as well as Triton's specialization.
     """
 
-    def __init__(self, jit_fn):
+    def __init__(self, jit_fn, valued: Sequence[str] = ()):
         params = jit_fn.params
         self.names: tuple[str, ...] = tuple(p.name for p in params)
         self.constexpr: tuple[bool, ...] = tuple(bool(p.is_constexpr) for p in params)
@@ -156,39 +167,86 @@ class DirectLauncher:
         self.defaults: dict[str, Any] = {
             p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self._key, self.values = _generated(self.names, self.constexpr, self.defaults)
+        self._valued = frozenset(valued)
         self._jit_fn = jit_fn
         self._pre_run_hooks = getattr(jit_fn, "pre_run_hooks", ())
         # (launcher, function handle, packed metadata, the CompiledKernel): the last only
         # keeps the kernel alive, whose destructor unloads its module (Triton 3.9).
         self._compiled: dict[tuple, tuple[Callable, Any, Any, Any]] = {}
+        # The caller-argument key (see the class docstring): made for the meta-parameter
+        # names of the first config remembered; configs with other names are not kept.
+        self._meta_names: frozenset | None = None
+        self._caller_key: Callable | None = None
+        self._by_caller: dict[tuple, tuple[Any, tuple]] = {}
         self.stats = {"direct": 0, "through_triton": 0}
+
+    def _head(self) -> tuple:
+        return (torch.cuda.current_device(), getattr(self._jit_fn, "debug", None),
+                _switches())
+
+    def _usable(self) -> bool:
+        return _enabled[0] and not self._pre_run_hooks and not _hooks_installed()
 
     def key(self, config: Any, args: Mapping[str, Any]) -> tuple | None:
         """The cache key of a launch, or None when an argument's type is not covered."""
         try:
-            return self._key(args, (config, torch.cuda.current_device(),
-                                    getattr(self._jit_fn, "debug", None), _switches()))
+            return self._key(args, (config, *self._head()))
         except _Unsupported:
             return None
+
+    def remember(self, config: Any, named: Mapping[str, Any]) -> None:
+        """After a launch of ``config`` with the caller's arguments ``named`` (its config
+        chosen and verified by the tuning layer): let :meth:`lookup` find both."""
+        meta = frozenset(config.meta)
+        if self._meta_names is None:
+            self._meta_names = meta
+            keep = [i for i, name in enumerate(self.names) if name not in meta]
+            self._caller_key, _ = _generated(
+                [self.names[i] for i in keep], [self.constexpr[i] for i in keep],
+                self.defaults, self._valued)
+        if meta != self._meta_names or not self._usable():
+            return
+        try:
+            entry = self._compiled.get(self._key({**named, **config.meta},
+                                                 (config, *self._head())))
+            if entry is not None:
+                self._by_caller[self._caller_key(named, self._head())] = (config, entry)
+        except (_Unsupported, TypeError, KeyError):
+            pass
+
+    def lookup(self, named: Mapping[str, Any]) -> tuple[Any, tuple, int] | None:
+        """``(config, compiled entry, device)`` remembered for these caller arguments on
+        the current device, or None."""
+        if self._caller_key is None or not self._usable():
+            return None
+        head = self._head()
+        try:
+            hit = self._by_caller.get(self._caller_key(named, head))
+        except (_Unsupported, TypeError, KeyError):  # unhashable, missing, not covered
+            return None
+        return None if hit is None else (*hit, head[0])
+
+    def run(self, entry: tuple, grid: Sequence[int], args: Mapping[str, Any],
+            device: int) -> None:
+        """Launch a compiled ``entry`` with ``args`` (the caller's and the config's
+        meta-parameters) on ``grid``, on the current stream of ``device``."""
+        run, function, packed_metadata, _ = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        self.stats["direct"] += 1
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            stream, function, packed_metadata, None, None, None, *self.values(args))
 
     def launch(self, jit_fn, config: Any, grid: Sequence[int], args: Mapping[str, Any],
                options: Mapping[str, Any]):
         key = None
-        if _enabled[0] and not _hooks_installed() and not self._pre_run_hooks:
+        if self._usable():
             try:
                 key = self.key(config, args)
                 entry = self._compiled.get(key) if key is not None else None
             except (TypeError, KeyError):  # an unhashable constexpr; a missing argument
                 key = entry = None
             if entry is not None:
-                run, function, packed_metadata, _ = entry
-                stream = torch._C._cuda_getCurrentRawStream(key[1])
-                g1 = grid[1] if len(grid) > 1 else 1
-                g2 = grid[2] if len(grid) > 2 else 1
-                self.stats["direct"] += 1
-                run(grid[0], g1, g2, stream, function, packed_metadata, None, None, None,
-                    *self.values(args))
-                return None
+                return self.run(entry, grid, args, key[1])
         self.stats["through_triton"] += 1
         compiled = jit_fn[grid](**args, **options)
         if key is not None and compiled is not None:

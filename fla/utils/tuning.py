@@ -180,7 +180,7 @@ class TunedKernel:
         self.stats = {"heuristic": 0, "tuned": 0, "disk_hits": 0, "skipped_configs": 0}
         # Launches after the first at a key skip Triton's per-call Python path
         # (fla/utils/direct_launch.py); the interpreter has no compiled kernel to keep.
-        self._direct = (DirectLauncher(kernel) if direct_launch_enabled()
+        self._direct = (DirectLauncher(kernel, valued=self.key) if direct_launch_enabled()
                         and not is_interpreter() and torch.version.hip is None
                         and hasattr(kernel, "params") else None)
         self.failures: dict[tuple, dict[Config, str]] = {}
@@ -201,12 +201,23 @@ class TunedKernel:
         recorder = recording()
         if recorder is not None:  # fla.utils.compile_ahead: compile, do not launch
             return recorder.launch(self, grid, named)
+        direct = self._direct
+        if direct is not None:
+            # A call seen before: its config and compiled kernel in one lookup.
+            hit = direct.lookup(named)
+            if hit is not None:
+                config, entry, device = hit
+                args = {**named, **config.meta}
+                return direct.run(entry, self._grid(grid, args), args, device)
         key = self.key_of(named)
         config = self._chosen.get(key)
         if config is None:
             config = self._choose(key, named, grid)
         if (key, config) in self._verified:
-            return self._run(config, grid, named)
+            result = self._run(config, grid, named)
+            if direct is not None:
+                direct.remember(config, named)
+            return result
         return self._run_first(key, config, grid, named)
 
     def key_of(self, named: Mapping[str, Any]) -> tuple:

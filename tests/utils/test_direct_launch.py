@@ -99,6 +99,66 @@ def test_a_kernel_without_parameters_gets_a_key(monkeypatch):
     assert launcher.key("cfg", {})[0] == "cfg" and launcher.values({}) == []
 
 
+class _Config:
+    """A config as the tuning layer passes it: hashable, with meta-parameters."""
+
+    def __init__(self, **meta):
+        self.meta = meta
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.meta.items())))
+
+    def __eq__(self, other):
+        return isinstance(other, _Config) and self.meta == other.meta
+
+
+class _Tunable:
+    """A kernel whose launch takes a meta-parameter (BLOCK) from its config."""
+    params = [_Param("x"), _Param("n"), _Param("mode"), _Param("D", constexpr=True),
+              _Param("BLOCK", constexpr=True)]
+
+
+def test_a_call_seen_before_finds_its_config_and_kernel(monkeypatch):
+    """remember / lookup: the caller's arguments (without the config's meta-parameters)
+    find the config and compiled kernel again, and any change that could change either
+    (the tuning key's values, Triton's specialization, the runtime switches) misses."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = DirectLauncher(_Tunable(), valued=["mode", "D"])
+    x = torch.zeros(64)
+    named = {"x": x, "n": 17, "mode": 3, "D": 16}
+    config = _Config(BLOCK=64)
+    assert launcher.lookup(named) is None                  # nothing remembered yet
+    launcher.remember(config, named)
+    assert launcher.lookup(named) is None                  # no compiled kernel for it
+    entry = ("run", "function", "metadata", "kernel")
+    launcher._compiled[launcher.key(config, {**named, "BLOCK": 64})] = entry
+    launcher.remember(config, named)
+    assert launcher.lookup(named) == (config, entry, 0)
+    assert launcher.lookup({**named, "n": 33}) == (config, entry, 0)    # same specialization
+    misses = [{**named, "mode": 4},          # a tuning-key value: maybe another config
+              {**named, "n": 16},            # n % 16: another Triton specialization
+              {**named, "x": x[1:]},         # misaligned
+              {**named, "x": x.half()},      # dtype
+              {**named, "D": 32},            # constexpr value
+              {**named, "x": (x,)},          # a type not covered
+              {"x": x, "n": 17, "D": 16}]    # an argument missing
+    for call in misses:
+        assert launcher.lookup(call) is None, call
+    # A config with other meta-parameter names is launched, not remembered.
+    other = _Config(BLOCK=64, SPLIT=2)
+    launcher._compiled[launcher.key(other, {**named, "mode": 5, "BLOCK": 64, "SPLIT": 2})] = entry
+    launcher.remember(other, {**named, "mode": 5})
+    assert launcher.lookup({**named, "mode": 5}) is None
+    # Runtime switches, launch hooks and the off switch all send calls the long way.
+    with direct_launches(False):
+        assert launcher.lookup(named) is None
+    monkeypatch.setattr(direct_launch, "_hooks_installed", lambda: True)
+    assert launcher.lookup(named) is None
+    monkeypatch.setattr(direct_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(direct_launch, "_switches", lambda: ("instrumented",))
+    assert launcher.lookup(named) is None
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
@@ -162,3 +222,26 @@ def test_a_launch_hook_sends_launches_through_triton():
     kernel[grid](x=x, y=y, n=256, D=16)
     assert kernel._direct.stats["direct"] >= 1
     torch.testing.assert_close(y, 2 * x, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_calls_seen_before_keep_the_config_their_tuning_key_chose():
+    """A tuning key holding a runtime integer (n, not a constexpr): calls that alternate
+    between two of its values must each get their own config through the shortcut."""
+    from tests.utils.tiny_kernels import grid, make_tuned
+    from fla.utils.tuning import Config
+
+    kernel = make_tuned(lambda a: Config(BLOCK=32 if a["n"] < 1000 else 128, num_warps=2),
+                        key=("n",))
+    base = torch.randn(8192, device="cuda")
+    for _ in range(3):
+        for n in (500, 4000, 512, 4096):
+            y = torch.full((n,), float("nan"), device="cuda")
+            kernel[grid](x=base[:n], y=y, n=n, D=16)
+            torch.testing.assert_close(y, 2 * base[:n], rtol=0, atol=0)
+    assert kernel._direct.stats["direct"] >= 8
+    for n in (500, 4000, 512, 4096):
+        named = {"x": base[:n], "y": base[:n], "n": n, "D": 16}
+        config, _, _ = kernel._direct.lookup(named)
+        assert config == kernel.chosen_config(**named)
+        assert config.meta["BLOCK"] == (32 if n < 1000 else 128)

@@ -1,0 +1,46 @@
+"""fla.ops.utils.partial_sums: the one-launch sum of per-program partial gradients
+against float64 sums, for one and two outputs, P and widths that are not multiples of
+the kernel's blocks, and every parameter dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fla.ops.utils.partial_sums import sum_partials
+from tests.helpers import TOLERANCE, assert_rel_close, generator, randn
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("P, shape", [(1, (7,)), (67, (130,)), (264, (48, 4)), (5, (1,))])
+def test_one_gradient(P, shape, dtype, device, seed):
+    gen = generator(seed)
+    parts = randn((P, *shape), gen, torch.float32, device)
+    like = torch.empty(shape, dtype=dtype, device=device)
+    out = sum_partials(parts, like)
+    assert out.shape == like.shape and out.dtype == dtype
+    assert_rel_close("sum", out, parts.double().sum(0), TOLERANCE[dtype])
+
+
+def test_two_gradients_of_different_widths(device, seed):
+    """A filter [D, W] and a bias [D] (a short convolution's dw, db) in one launch."""
+    gen = generator(seed)
+    P, D, W = 97, 70, 4
+    dw_part = randn((P, D, W), gen, torch.float32, device)
+    db_part = randn((P, D), gen, torch.float32, device)
+    weight = torch.empty(D, W, dtype=torch.bfloat16, device=device)
+    bias = torch.empty(D, dtype=torch.float32, device=device)
+    dw, db = sum_partials(dw_part, weight, db_part, bias)
+    assert (dw.shape, dw.dtype, db.shape, db.dtype) == ((D, W), torch.bfloat16, (D,),
+                                                        torch.float32)
+    assert_rel_close("dw", dw, dw_part.double().sum(0), TOLERANCE[torch.bfloat16])
+    assert_rel_close("db", db, db_part.double().sum(0), TOLERANCE[torch.float32])
+
+
+def test_cancelling_partials_are_summed_before_rounding(device):
+    """Partials summed in fp32 and rounded once: 1 + 2^-10 and -1 give 2^-10 in bf16
+    (a cast of each partial first would give 0)."""
+    parts = torch.tensor([[1 + 2 ** -10], [-1.0]], device=device)
+    out = sum_partials(parts, torch.empty(1, dtype=torch.bfloat16, device=device))
+    assert out.item() == 2 ** -10
