@@ -21,6 +21,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from fla.models.config import FLAConfig
+from fla.modules.layernorm import _Norm
 from fla.models.utils import Cache
 
 # The layers, modules and kernels are imported where a model is built or run, not here
@@ -32,20 +33,42 @@ __all__ = ["FLAConfig", "FLABlock", "FLAPreTrainedModel", "FLAModel", "FLAForCau
 _TRANSFORMERS_V5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
-def _autocast_once(x: torch.Tensor) -> torch.Tensor:
-    """Under autocast, x in the autocast dtype: one cast for all of the mixer's
-    projections. The residual stream, and so the norm's output, is float32; autocast
-    would cast it again for every Linear that reads it (four to six in a mixer) and sum
-    their input gradients in float32."""
+def _norm_for_mixer(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """``(norm(s), s)`` with ``s = x + residual`` (x itself without a residual): the
+    block's pre-norm, adding the residual in its kernel. Under autocast the normed output
+    comes in the autocast dtype: the residual stream is float32, and autocast would cast
+    it again for every Linear that reads it (four to six in a mixer) and sum their input
+    gradients in float32; our norms write the autocast dtype directly (``output_dtype``),
+    another norm module's output is cast once."""
     device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+    dtype = (torch.get_autocast_dtype(device) if x.is_floating_point()
+             and torch.is_autocast_enabled(device) else None)
+    if isinstance(norm, _Norm):
+        if residual is None:
+            return norm(x, output_dtype=dtype), x
+        return norm(x, residual, prenorm=True, output_dtype=dtype)
+    s = x if residual is None else x + residual
+    y = norm(s)
+    return (y if dtype is None else y.to(dtype)), s
+
+
+def _norm_sum(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``norm(x + residual)`` in the residual stream's dtype (the model's final norm)."""
+    if residual is None:
+        return norm(x)
+    if isinstance(norm, _Norm):
+        return norm(x, residual, output_dtype=residual.dtype)
+    return norm(x + residual)
 
 
 class FLABlock(nn.Module):
-    """``x + mixer(norm(x))``, then ``x + mlp(norm(x))`` (the second norm adds the
-    residual in the same kernel).
+    """``s = x + mixer(norm(x))``, then ``s + mlp(norm(s))``.
+
+    The residual additions are deferred: a block takes ``(hidden_states, residual)``, whose
+    sum is its input (``residual=None``: hidden_states alone), and returns the pair whose
+    sum is its output, so that each sum is formed inside the next norm's kernel (this
+    block's MLP norm, the next block's pre-norm, the model's final norm) instead of by a
+    separate add forward and its gradient sums backward.
 
     ``shared_state``: a dict that lives for one forward of the model and is handed to
     every mixer and MLP, which may read and write it (RWKV7 puts layer 0's values there
@@ -64,9 +87,10 @@ class FLABlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: Cache | None = None, use_cache: bool = False,
                 output_attentions: bool = False, cu_seqlens: torch.Tensor | None = None,
-                shared_state: dict | None = None):
-        residual = hidden_states
-        hidden_states = _autocast_once(self.attn_norm(hidden_states))
+                shared_state: dict | None = None, residual: torch.Tensor | None = None):
+        """Returns ``(hidden_states, residual, attentions, past_key_values)``; the block's
+        output is ``hidden_states + residual``."""
+        hidden_states, residual = _norm_for_mixer(self.attn_norm, hidden_states, residual)
         context = dict(attention_mask=attention_mask, past_key_values=past_key_values,
                        use_cache=use_cache, cu_seqlens=cu_seqlens, shared_state=shared_state)
         hidden_states, attentions, past_key_values = self.attn(
@@ -74,7 +98,7 @@ class FLABlock(nn.Module):
         if hasattr(self, "mlp"):
             hidden_states, residual = self.mlp_norm(hidden_states, residual, prenorm=True)
             hidden_states = self.mlp(hidden_states, **context)
-        return residual + hidden_states, attentions, past_key_values
+        return hidden_states, residual, attentions, past_key_values
 
 
 class FLAPreTrainedModel(PreTrainedModel):
@@ -209,22 +233,24 @@ class FLAModel(FLAPreTrainedModel):
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         shared_state: dict[str, torch.Tensor] = {}  # see FLABlock
+        residual = None  # each block's input is hidden_states + residual (see FLABlock)
         for layer in self.layers:
             if output_hidden_states:
-                all_hidden_states.append(hidden_states)
+                all_hidden_states.append(hidden_states if residual is None
+                                         else hidden_states + residual)
             if self.gradient_checkpointing and self.training:
-                hidden_states, attentions = self._checkpointed(
-                    layer, hidden_states, attention_mask, output_attentions, cu_seqlens,
-                    shared_state)
+                hidden_states, residual, attentions = self._checkpointed(
+                    layer, hidden_states, residual, attention_mask, output_attentions,
+                    cu_seqlens, shared_state)
             else:
-                hidden_states, attentions, past_key_values = layer(
+                hidden_states, residual, attentions, past_key_values = layer(
                     hidden_states, attention_mask=attention_mask,
                     past_key_values=past_key_values, use_cache=use_cache,
                     output_attentions=output_attentions, cu_seqlens=cu_seqlens,
-                    shared_state=shared_state)
+                    shared_state=shared_state, residual=residual)
             if output_attentions:
                 all_attentions.append(attentions)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = _norm_sum(self.norm, hidden_states, residual)
         if output_hidden_states:
             all_hidden_states.append(hidden_states)
         cache = past_key_values if use_cache else None
@@ -237,29 +263,30 @@ class FLAModel(FLAPreTrainedModel):
             attentions=None if all_attentions is None else tuple(all_attentions))
 
 
-    def _checkpointed(self, layer: FLABlock, hidden_states, attention_mask, output_attentions,
-                      cu_seqlens, shared_state: dict) -> tuple:
-        """One block under activation checkpointing, without the cache. The shared
-        state's tensors enter and leave as the checkpointed function's own inputs and
-        outputs, so that their gradients flow with reentrant checkpointing too (it sees
-        only tensor arguments); ``shared_state`` is updated in place."""
+    def _checkpointed(self, layer: FLABlock, hidden_states, residual, attention_mask,
+                      output_attentions, cu_seqlens, shared_state: dict) -> tuple:
+        """One block under activation checkpointing, without the cache: returns
+        ``(hidden_states, residual, attentions)``. The shared state's tensors enter and
+        leave as the checkpointed function's own inputs and outputs, so that their
+        gradients flow with reentrant checkpointing too (it sees only tensor arguments);
+        ``shared_state`` is updated in place."""
         keys_in = list(shared_state)
         keys_out: list[str] = []
 
-        def run(hidden_states, *values):
+        def run(hidden_states, residual, *values):
             state = dict(zip(keys_in, values))
-            hidden_states, attentions, _ = layer(
+            hidden_states, residual, attentions, _ = layer(
                 hidden_states, attention_mask=attention_mask, past_key_values=None,
                 use_cache=False, output_attentions=output_attentions, cu_seqlens=cu_seqlens,
-                shared_state=state)
+                shared_state=state, residual=residual)
             keys_out[:] = list(state)
-            return (hidden_states, attentions, *state.values())
+            return (hidden_states, residual, attentions, *state.values())
 
-        hidden_states, attentions, *values = self._gradient_checkpointing_func(
-            run, hidden_states, *shared_state.values())
+        hidden_states, residual, attentions, *values = self._gradient_checkpointing_func(
+            run, hidden_states, residual, *shared_state.values())
         shared_state.clear()
         shared_state.update(zip(keys_out, values))
-        return hidden_states, attentions
+        return hidden_states, residual, attentions
 
 
 class FLAForCausalLM(FLAPreTrainedModel, GenerationMixin):

@@ -24,7 +24,8 @@ import torch.nn as nn
 from fla.modules.layernorm_kernels import ACTIVATIONS, norm_bwd, norm_fwd
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
-from fla.utils.validation import check_same_device, check_tensor, contiguous_or_none
+from fla.utils.validation import (FLOAT_DTYPES, check_same_device, check_tensor,
+                                  contiguous_or_none)
 
 __all__ = [
     "RMSNorm", "LayerNorm", "GroupNorm", "rms_norm", "layer_norm", "group_norm",
@@ -106,9 +107,9 @@ def check_norm_inputs(x, weight, bias, residual=None, g=None, eps=1e-5, num_grou
 
 # ------------------------------------------------------------------------- torch path
 def _norm_torch(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
-                residual_dtype):
+                residual_dtype, y_dtype):
     """The same function in PyTorch ops (autograd differentiates it): fp32 statistics,
-    y in x's dtype, ``residual_out`` in ``residual_dtype`` (None: not returned)."""
+    y in ``y_dtype``, ``residual_out`` in ``residual_dtype`` (None: not returned)."""
     s = x.float()
     if residual is not None:
         s = s + residual.float()
@@ -127,7 +128,7 @@ def _norm_torch(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, acti
         gf = g.float()
         y = y * (gf * torch.sigmoid(gf) if activation == ACTIVATIONS["swish"]
                  else torch.sigmoid(gf))
-    return y.to(x.dtype), residual_out
+    return y.to(y_dtype), residual_out
 
 
 # ----------------------------------------------------------------------- Triton path
@@ -137,7 +138,8 @@ def _norm_torch(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, acti
 _norm_fwd_op = stage_op(
     "norm_fwd", norm_fwd, label="norm.fwd",
     schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? g, float eps, "
-           "int num_groups, bool is_rms_norm, int activation, ScalarType? residual_dtype) "
+           "int num_groups, bool is_rms_norm, int activation, ScalarType? residual_dtype, "
+           "ScalarType? y_dtype) "
            "-> (Tensor, Tensor, Tensor, Tensor)", ahead=False)
 _norm_bwd_op = stage_op(
     "norm_bwd", norm_bwd, label="norm.bwd",
@@ -148,7 +150,7 @@ _norm_bwd_op = stage_op(
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, g, _, num_groups, is_rms_norm, activation, residual_dtype \
+    x, weight, bias, residual, g, _, num_groups, is_rms_norm, activation, residual_dtype, _ \
         = inputs
     _, residual_out, mean, rstd = output
     # Backward normalises what the forward normalised: residual_out when stored (it is
@@ -175,19 +177,20 @@ def _backward_formula(ctx, dy, dresidual_out, _dmean, _drstd):
         is_rms_norm, activation, x_dtype, dresidual_dtype)
     return (dx, present(dweight, weight is not None), present(dbias, bias is not None),
             present(dresidual, dresidual_dtype is not None), present(dg, g is not None),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 _norm_fwd_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def _norm_triton(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, activation,
-                 residual_dtype):
-    """The Triton path through fla::norm_fwd: ``(y, residual_out or None)`` shaped like x."""
+                 residual_dtype, y_dtype):
+    """The Triton path through fla::norm_fwd: ``(y, residual_out or None)`` shaped like x
+    (y in ``y_dtype``; None: x's)."""
     y, residual_out, _, _ = _norm_fwd_op(
         x.contiguous(), contiguous_or_none(weight), contiguous_or_none(bias),
         contiguous_or_none(residual), contiguous_or_none(g), eps, num_groups, is_rms_norm,
-        activation, residual_dtype)
+        activation, residual_dtype, y_dtype)
     return y, (None if residual_dtype is None else residual_out)
 
 
@@ -195,7 +198,8 @@ def _norm_triton(x, weight, bias, residual, g, eps, num_groups, is_rms_norm, act
 def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
               residual: torch.Tensor | None = None, g: torch.Tensor | None = None,
               eps: float = 1e-5, prenorm: bool = False, residual_in_fp32: bool = False,
-              num_groups: int = 1, is_rms_norm: bool = False, activation: str | None = None):
+              num_groups: int = 1, is_rms_norm: bool = False, activation: str | None = None,
+              output_dtype: torch.dtype | None = None):
     """The one entry point behind every norm of ``fla.modules`` (gated ones included).
 
     Args:
@@ -209,9 +213,12 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         num_groups: G; each row is normalised in G groups of D / G channels.
         is_rms_norm: no mean subtraction.
         activation: None, ``'swish'``/``'silu'`` or ``'sigmoid'``: y ⊙ act(g).
+        output_dtype: y's dtype (None: x's). A float32 residual stream normed straight
+            into the autocast dtype saves a cast pass forward and one backward.
 
     Returns:
-        y ``[..., D]`` in x's dtype, or ``(y, s)`` with ``prenorm``.
+        y ``[..., D]`` in ``output_dtype`` (x's by default), or ``(y, s)`` with
+        ``prenorm``.
     """
     code = check_norm_inputs(x, weight, bias, residual, g, eps, num_groups, activation)
     if code and g is None:
@@ -225,13 +232,18 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if residual is None and residual_dtype == x.dtype:
         residual_dtype = None
     g = g if code else None
+    if output_dtype is not None and output_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"output_dtype: expected None or one of float32, float16, bfloat16, "
+                        f"got {output_dtype}")
+    y_dtype = None if output_dtype == x.dtype else output_dtype
 
     if x.numel() == 0 or select_backend(x, weight, bias, residual, g) is Backend.TORCH:
         y, residual_out = _norm_torch(x, weight, bias, residual, g, eps, num_groups,
-                                      bool(is_rms_norm), code, residual_dtype)
+                                      bool(is_rms_norm), code, residual_dtype,
+                                      y_dtype or x.dtype)
     else:
         y, residual_out = _norm_triton(x, weight, bias, residual, g, eps, num_groups,
-                                       bool(is_rms_norm), code, residual_dtype)
+                                       bool(is_rms_norm), code, residual_dtype, y_dtype)
     if not prenorm:
         return y
     return y, (x if residual_out is None else residual_out)
@@ -240,34 +252,35 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
 # ------------------------------------------------------------------------- functional
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
              residual: torch.Tensor | None = None, eps: float = 1e-5, prenorm: bool = False,
-             residual_in_fp32: bool = False):
+             residual_in_fp32: bool = False, output_dtype: torch.dtype | None = None):
     """RMSNorm of the last dim: ``y = s / sqrt(mean(s²) + eps) · weight + bias`` with
     ``s = x + residual``.
 
     Args: x ``[..., D]`` fp32/fp16/bf16; weight, bias ``[D]`` or None; residual like x.
-    Returns: y ``[..., D]`` in x's dtype; ``(y, s)`` with ``prenorm`` (s in fp32 with
-    ``residual_in_fp32``). Differentiable in x, weight, bias, residual.
+    Returns: y ``[..., D]`` in x's dtype (or ``output_dtype``); ``(y, s)`` with ``prenorm``
+    (s in fp32 with ``residual_in_fp32``). Differentiable in x, weight, bias, residual.
     """
     return normalize(x, weight, bias, residual, None, eps, prenorm, residual_in_fp32,
-                     is_rms_norm=True)
+                     is_rms_norm=True, output_dtype=output_dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                residual: torch.Tensor | None = None, eps: float = 1e-5, prenorm: bool = False,
-               residual_in_fp32: bool = False, is_rms_norm: bool = False):
+               residual_in_fp32: bool = False, is_rms_norm: bool = False,
+               output_dtype: torch.dtype | None = None):
     """LayerNorm of the last dim: ``y = (s − mean(s)) / sqrt(var(s) + eps) · weight +
     bias`` with ``s = x + residual`` (biased variance, as ``torch.nn.LayerNorm``).
 
     Shapes and returns as :func:`rms_norm`; ``is_rms_norm=True`` is :func:`rms_norm`.
     """
     return normalize(x, weight, bias, residual, None, eps, prenorm, residual_in_fp32,
-                     is_rms_norm=is_rms_norm)
+                     is_rms_norm=is_rms_norm, output_dtype=output_dtype)
 
 
 def group_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                residual: torch.Tensor | None = None, eps: float = 1e-5, prenorm: bool = False,
                residual_in_fp32: bool = False, is_rms_norm: bool = False,
-               num_groups: int = 1):
+               num_groups: int = 1, output_dtype: torch.dtype | None = None):
     """GroupNorm of the last dim: each row of ``s = x + residual`` (``[..., D]``) is split
     into ``num_groups`` groups of D / num_groups consecutive channels, each normalised
     on its own (RMS form with ``is_rms_norm``), then scaled by ``weight [D]`` and shifted
@@ -276,7 +289,8 @@ def group_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     Returns: y ``[..., D]`` in x's dtype; ``(y, s)`` with ``prenorm``.
     """
     return normalize(x, weight, bias, residual, None, eps, prenorm, residual_in_fp32,
-                     num_groups=num_groups, is_rms_norm=is_rms_norm)
+                     num_groups=num_groups, is_rms_norm=is_rms_norm,
+                     output_dtype=output_dtype)
 
 
 # ---------------------------------------------------------------------------- modules
@@ -321,11 +335,12 @@ class RMSNorm(_Norm):
         super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False):
+                prenorm: bool = False, residual_in_fp32: bool = False,
+                output_dtype: torch.dtype | None = None):
         check_tensor("x", x)
         check_hidden_size(x, self.hidden_size)
         return rms_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                        residual_in_fp32)
+                        residual_in_fp32, output_dtype)
 
 
 class LayerNorm(_Norm):
@@ -337,11 +352,12 @@ class LayerNorm(_Norm):
         super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False):
+                prenorm: bool = False, residual_in_fp32: bool = False,
+                output_dtype: torch.dtype | None = None):
         check_tensor("x", x)
         check_hidden_size(x, self.hidden_size)
         return layer_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                          residual_in_fp32)
+                          residual_in_fp32, output_dtype=output_dtype)
 
 
 class GroupNorm(_Norm):
@@ -357,11 +373,12 @@ class GroupNorm(_Norm):
         self.is_rms_norm = bool(is_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False):
+                prenorm: bool = False, residual_in_fp32: bool = False,
+                output_dtype: torch.dtype | None = None):
         check_tensor("x", x)
         check_hidden_size(x, self.hidden_size)
         return group_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                          residual_in_fp32, self.is_rms_norm, self.num_groups)
+                          residual_in_fp32, self.is_rms_norm, self.num_groups, output_dtype)
 
     def extra_repr(self) -> str:
         text = f"{self.num_groups}, {super().extra_repr()}"

@@ -478,10 +478,10 @@ def _backward_programs(N: int, groups_and_chunks: int, device: torch.device) -> 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
              residual: torch.Tensor | None, g: torch.Tensor | None, eps: float,
              num_groups: int, is_rms_norm: bool, activation: int,
-             residual_dtype: torch.dtype | None):
+             residual_dtype: torch.dtype | None, y_dtype: torch.dtype | None = None):
     """Forward over the N rows of ``x: [..., G·D]`` (contiguous; residual and g alike).
 
-    Returns ``(y shaped like x in x's dtype, residual_out or None, mean [N·G] fp32 or
+    Returns ``(y shaped like x in y_dtype (None: x's), residual_out or None, mean [N·G] fp32 or
     None, rstd [N·G] fp32)``; ``residual_out = x + residual`` in ``residual_dtype`` is
     stored only when ``residual_dtype`` is given. Rows are never reshaped here: the
     kernels index contiguous rows, and a view per call costs host time.
@@ -492,7 +492,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     D = width // G
     R = N * G
     BLOCK, NCHUNK = row_layout(D)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if y_dtype is None else torch.empty(x.shape, dtype=y_dtype,
+                                                                 device=x.device)
     residual_out = None
     if residual_dtype is not None:
         residual_out = torch.empty(x.shape, dtype=residual_dtype, device=x.device)

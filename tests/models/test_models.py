@@ -395,3 +395,26 @@ def test_loads_separate_gate_and_up_weights(tmp_path, seed):
     ids = token_ids(seed, 1, 9)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_are_the_blocks_outputs(name, seed):
+    """Blocks hand their residual sums to the next norm (FLABlock): the hidden states a
+    model returns are still each block's input, computed here block by block with the
+    sums formed outside, and the last one is the final norm of the last block's output."""
+    model = make(name).eval()
+    ids = token_ids(seed, 2, 12)
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+        states = out.hidden_states
+        assert len(states) == model.config.num_hidden_layers + 1
+        h = model.model.embeddings(ids)
+        if hasattr(model.model, "embeddings_norm"):
+            h = model.model.embeddings_norm(h)
+        shared: dict = {}  # one per forward, as the model hands it (RWKV7's value residual)
+        for i, layer in enumerate(model.model.layers):
+            assert_rel_close(f"input of block {i}", states[i], h, 1e-6)
+            x, residual, _, _ = layer(h, shared_state=shared)
+            h = x + residual
+        assert_rel_close("last hidden state", states[-1], model.model.norm(h), 1e-6)
+        assert_rel_close("last hidden state", out.last_hidden_state, states[-1], 0)

@@ -243,6 +243,45 @@ def test_modules(device, seed):
     assert LayerNorm(8, elementwise_affine=False).weight is None
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_output_dtype_is_a_cast_of_the_output(backend, out_dtype, prenorm, monkeypatch, device,
+                                              seed):
+    """``output_dtype`` (a float32 residual stream normed into the autocast dtype) gives
+    exactly the cast of the float32 output, and exactly its gradients: the kernels compute
+    y in fp32 and round once, and read a 16-bit dy as the cast's backward would hand it."""
+    if backend == "torch":
+        monkeypatch.setenv("FLA_BACKEND", "torch")
+        device = "cpu"
+    gen = generator(seed)
+    x = randn((3, 37, 96), gen, torch.float32, device, requires_grad=True)
+    residual = randn((3, 37, 96), gen, torch.float32, device, requires_grad=True)
+    weight = randn((96,), gen, torch.float32, device, requires_grad=True)
+    dy = randn((3, 37, 96), gen, out_dtype, device)
+    ds = randn((3, 37, 96), gen, torch.float32, device)
+    kwargs = dict(residual=residual, prenorm=True) if prenorm else {}
+    results = []
+    for direct in (True, False):
+        out = rms_norm(x, weight, None, output_dtype=out_dtype if direct else None, **kwargs)
+        y, s = out if prenorm else (out, None)
+        if not direct:
+            y = y.to(out_dtype)
+        assert y.dtype == out_dtype
+        outputs, grads = ([y, s], [dy, ds]) if prenorm else ([y], [dy])
+        leaves = [x, weight] + ([residual] if prenorm else [])
+        results.append([y.detach()] + list(torch.autograd.grad(outputs, leaves, grads)))
+    # Triton's interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): there y
+    # may differ from the cast by one bf16 ulp; the gradients are exact everywhere.
+    loose_y = backend == "triton" and device == "cpu" and out_dtype == torch.bfloat16
+    for name, a, b in zip(["y", "dx", "dweight", "dresidual"], *results):
+        rtol = 2 ** -7 if loose_y and name == "y" else 0
+        torch.testing.assert_close(a, b, rtol=rtol, atol=0, msg=name)
+    with pytest.raises(TypeError, match="output_dtype"):
+        rms_norm(x, weight, None, output_dtype=torch.int32)
+
+
 # ------------------------------------------------------------------------- torch path
 @pytest.mark.parametrize("kind", ["rms", "layer", "group", "group_rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
