@@ -13,7 +13,6 @@ from fla.layers.utils import (
     cache_entry,
     check_heads,
     check_mode,
-    fused_linear,
     gated_output,
     init_time_step_bias,
     mask_tokens,
@@ -95,17 +94,19 @@ class GatedDeltaNet(nn.Module):
                                           cu_seqlens)
         B, T, _ = hidden_states.shape
 
-        q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
-                                          cu_seqlens)
+        # a and b (packed [a | b]) and the output gate read the same input as q, k, v:
+        # projected together (one autograd node, input gradients summed in the GEMMs).
+        gates = [(self.a_proj, self.b_proj)] + ([(self.g_proj,)] if self.use_gate else [])
+        q, k, v, conv_state, ab, *gate = project_qkv(self, hidden_states, state, use_cache,
+                                                     mask, cu_seqlens, extra=gates)
         if not self.use_short_conv:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        # a and b in one GEMM (packed [a | b]), then g = −exp(A_log)·softplus(a + dt_bias)
-        # in float32 (its chunk sums are the exponents of every decay) and β = σ(b) in
-        # one kernel each way instead of ~25 small elementwise launches.
-        ab = fused_linear(hidden_states, self.a_proj, self.b_proj)
+        # g = −exp(A_log)·softplus(a + dt_bias) in float32 (its chunk sums are the
+        # exponents of every decay) and β = σ(b) in one kernel each way instead of ~25
+        # small elementwise launches.
         g, beta = gated_delta_rule_gate(ab, self.A_log, self.dt_bias,
                                         beta_scale=2.0 if self.allow_neg_eigval else 1.0)
         # Padding: no write and no decay (β = 0, g = 0, k = v = 0) keeps the state exactly.
@@ -119,4 +120,5 @@ class GatedDeltaNet(nn.Module):
             output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         update_cache(past_key_values, self.layer_idx, use_cache, T,
                      recurrent_state=recurrent_state, conv_state=conv_state)
-        return gated_output(self, o, hidden_states, self.use_gate), None, past_key_values
+        return (gated_output(self, o, hidden_states, self.use_gate, *gate), None,
+                past_key_values)

@@ -200,6 +200,65 @@ def fused_linear(x: torch.Tensor, *linears: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+class _SharedInputLinear(torch.autograd.Function):
+    """``[x @ w_g.T for each group g]`` with ``w`` the groups' weights stacked by rows:
+    one autograd node whose backward accumulates dx with ``addmm_`` (beta = 1, the sum
+    inside the GEMM) instead of one dx GEMM per group plus separate sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, widths):
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, start = [], 0
+        for width in widths:
+            outs.append(torch.mm(x2, weight[start:start + width].t())
+                        .view(*x.shape[:-1], width))
+            start += width
+        ctx.save_for_backward(x2, weight)
+        ctx.widths, ctx.x_shape = widths, x.shape
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        x2, weight = ctx.saved_tensors
+        dx, dweights, start = None, [], 0
+        for width, d in zip(ctx.widths, douts):
+            w = weight[start:start + width]
+            start += width
+            if d is None:
+                dweights.append(torch.zeros_like(w))
+                continue
+            d2 = d.reshape(-1, width)
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(d2, w) if dx is None else torch.addmm(dx, d2, w)
+            dweights.append(torch.mm(d2.t(), x2))
+        return (None if dx is None else dx.view(ctx.x_shape)), torch.cat(dweights), None
+
+
+def shared_input_linears(x: torch.Tensor, *groups) -> list[torch.Tensor]:
+    """``[fused_linear(x, *group) for group in groups]``: the projections of one input
+    ``x [..., d]`` (a mixer's q/k/v, gates, ...), each group's outputs concatenated
+    (``[..., Σ out_features]``, contiguous).
+
+    Plain bias-free ``nn.Linear`` modules (:func:`_plain`) run as one autograd node: one
+    cast of the stacked weights under autocast, one GEMM per group forward, and backward
+    the input gradient summed inside the GEMMs (``addmm_``) rather than by a separate add
+    per extra group. Anything else runs through :func:`fused_linear` per group. (On the
+    one-node path a group whose output the loss does not reach gets zero gradients
+    rather than None: its weights are rows of the one stacked weight.)"""
+    linears = [lin for group in groups for lin in group]
+    if not all(_plain(lin, torch.nn.Linear) and lin.bias is None for lin in linears):
+        return [fused_linear(x, *group) for group in groups]
+    weight = torch.cat([lin.weight for lin in linears])
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        dtype = torch.get_autocast_dtype(device)
+        weight, x = weight.to(dtype), x.to(dtype)
+    if weight.dtype != x.dtype:  # F.linear's own error message for the mismatch
+        return [fused_linear(x, *group) for group in groups]
+    widths = tuple(sum(lin.out_features for lin in group) for group in groups)
+    return list(_SharedInputLinear.apply(x, weight, widths))
+
+
 def _fusable(linears, convs) -> bool:
     """Whether :func:`project_qkv` may run ``linears`` as one GEMM and ``convs`` (or
     None) as one convolution: plain modules (:func:`_plain`), and convolutions alike in
@@ -215,7 +274,7 @@ def _fusable(linears, convs) -> bool:
 
 
 def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
-                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
+                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, extra=()):
     """q, k, v of ``hidden_states [B, T, d]`` by ``layer.q_proj``, ``k_proj``, ``v_proj``,
     then, with ``layer.use_short_conv``, its ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (see
     :func:`short_convs`; their caches are the ``conv_state`` of ``state``). Returns
@@ -226,34 +285,40 @@ def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cach
     one GEMM and the three depthwise convolutions as one over the concatenated channels
     (the same maths: a depthwise kernel treats channels independently); q, k and v are
     then views of one ``[B, T, 2·key + value]`` tensor. With caches, or modules that are
-    not plain (:func:`_fusable`), the three run apart, each with its own cache."""
+    not plain (:func:`_fusable`), the three run apart, each with its own cache.
+
+    ``extra``: more groups of Linears reading ``hidden_states`` (a layer's gate
+    projections); their outputs (:func:`shared_input_linears`, with q/k/v's when fused)
+    follow ``conv_state`` in the returned tuple."""
     linears = (layer.q_proj, layer.k_proj, layer.v_proj)
     widths = [lin.out_features for lin in linears]
     convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d) if layer.use_short_conv else None
     conv_cache = cache_entry(state, "conv_state")
     if conv_cache is None and not use_cache and _fusable(linears, convs):
-        qkv = fused_linear(hidden_states, *linears)
+        qkv, *extras = shared_input_linears(hidden_states, linears, *extra)
         if convs is not None:
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             qkv, _ = causal_conv1d(mask_tokens(qkv, mask),
                                    torch.cat([c.weight for c in convs]), bias,
                                    activation=convs[0].activation, cu_seqlens=cu_seqlens)
         q, k, v = qkv.split(widths, dim=-1)
-        return q, k, v, None
+        return (q, k, v, None, *extras)
     q, k, v = (lin(hidden_states) for lin in linears)
     conv_state = None
     if convs is not None:
         (q, k, v), conv_state = short_convs(convs, (q, k, v), conv_cache, use_cache, mask,
                                             cu_seqlens)
-    return q, k, v, conv_state
+    return (q, k, v, conv_state, *(fused_linear(hidden_states, *group) for group in extra))
 
 
-def gated_output(layer, o: torch.Tensor, hidden_states: torch.Tensor, gated: bool):
+def gated_output(layer, o: torch.Tensor, hidden_states: torch.Tensor, gated: bool,
+                 gate: torch.Tensor | None = None):
     """The heads' output ``o [B, T, H, V]`` through ``layer.o_norm`` (a gated RMSNorm fed
-    ``layer.g_proj(hidden_states)`` when ``gated``, else a plain one), heads merged, then
-    ``layer.o_proj``: ``[B, T, d]``."""
+    ``gate``, by default ``layer.g_proj(hidden_states)``, when ``gated``, else a plain
+    one), heads merged, then ``layer.o_proj``: ``[B, T, d]``."""
     if gated:
-        o = layer.o_norm(o, layer.g_proj(hidden_states).view(o.shape))
+        gate = layer.g_proj(hidden_states) if gate is None else gate
+        o = layer.o_norm(o, gate.view(o.shape))
     else:
         o = layer.o_norm(o)
     return layer.o_proj(o.flatten(2))

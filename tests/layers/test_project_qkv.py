@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fla.layers import GatedDeltaNet
-from fla.layers.utils import fused_linear, project_qkv, short_convs
+from fla.layers.utils import fused_linear, project_qkv, shared_input_linears, short_convs
 from tests.helpers import cu_seqlens_of, generator, randn, uneven_lengths
 
 
@@ -95,3 +95,76 @@ def test_fused_linear_with_some_biases(seed):
     lins = [nn.Linear(8, 3, bias=True), nn.Linear(8, 5, bias=False), nn.Linear(8, 2)]
     x = randn((4, 8), gen)
     torch.testing.assert_close(fused_linear(x, *lins), torch.cat([m(x) for m in lins], -1))
+
+
+def groups_of_linears(seed: int):
+    torch.manual_seed(seed)
+    return [(nn.Linear(16, 6, bias=False), nn.Linear(16, 4, bias=False)),
+            (nn.Linear(16, 3, bias=False),), (nn.Linear(16, 5, bias=False),)]
+
+
+@pytest.mark.parametrize("used", ["all", "some"])
+def test_shared_input_linears_equal_the_groups_apart(used, seed):
+    """One node for several groups of projections of one input: values and the gradients
+    of x and of every weight as the groups computed apart (a group's output the loss does
+    not use gets zero gradients here, None apart: its weights are slices of one stacked
+    weight)."""
+    gen = generator(seed)
+    groups = groups_of_linears(seed)
+    x = randn((3, 7, 16), gen)
+    widths = [sum(lin.out_features for lin in group) for group in groups]
+    do = [randn((3, 7, w), gen) for w in widths]
+    keep = [True, used == "all", True]
+    results = []
+    for fn in (lambda t: shared_input_linears(t, *groups),
+               lambda t: [fused_linear(t, *group) for group in groups]):
+        for group in groups:
+            for lin in group:
+                lin.weight.grad = None
+        xi = x.detach().requires_grad_()
+        outs = fn(xi)
+        sum((o * d).sum() for o, d, k in zip(outs, do, keep) if k).backward()
+        results.append([*[o.detach() for o in outs], xi.grad,
+                        *[torch.zeros_like(lin.weight) if lin.weight.grad is None
+                          else lin.weight.grad for group in groups for lin in group]])
+    for i, (a, b) in enumerate(zip(*results)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"tensor {i}")
+
+
+def test_shared_input_linears_under_autocast(seed):
+    """bf16 autocast (CPU): the same as each Linear under autocast, gradients in the
+    weights' float32."""
+    gen = generator(seed)
+    groups = groups_of_linears(seed)
+    x = randn((2, 5, 16), gen)
+    results = []
+    for fn in (lambda t: shared_input_linears(t, *groups),
+               lambda t: [fused_linear(t, *group) for group in groups]):
+        for group in groups:
+            for lin in group:
+                lin.weight.grad = None
+        xi = x.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = fn(xi)
+        assert all(o.dtype == torch.bfloat16 for o in outs)
+        sum(o.float().sum() for o in outs).backward()
+        results.append([*[o.detach().float() for o in outs], xi.grad,
+                        *[lin.weight.grad for group in groups for lin in group]])
+    assert all(g.dtype == torch.float32 for g in results[0][len(groups):])
+    for i, (a, b) in enumerate(zip(*results)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=f"tensor {i}")
+
+
+def test_gate_projections_ride_with_qkv(seed):
+    """project_qkv's ``extra`` groups: fused with q, k, v (no cache) or apart (with a
+    cache in or out), the same outputs."""
+    gen = generator(seed)
+    layer = make_layer(seed, False)
+    x = randn((2, 9, 64), gen)
+    extra = [(layer.a_proj, layer.b_proj), (layer.g_proj,)]
+    fused = project_qkv(layer, x, None, False, None, None, extra=extra)
+    with_cache = project_qkv(layer, x, None, True, None, None, extra=extra)
+    assert len(fused) == len(with_cache) == 6 and fused[3] is None
+    for i in (0, 1, 2, 4, 5):
+        torch.testing.assert_close(fused[i], with_cache[i], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused[5], layer.g_proj(x))
