@@ -101,8 +101,11 @@ class DeltaNet(nn.Module):
                                           cu_seqlens)
         B, T, _ = hidden_states.shape
 
+        # As in GatedDeltaNet: in chunk mode q and k are normalised as they leave the
+        # fused projection (read in place there) rather than by the op.
+        qk_normed = self.qk_norm == "l2" and mode == "chunk" and self.use_short_conv
         q, k, v, conv_state = project_qkv(self, hidden_states, state, use_cache, mask,
-                                          cu_seqlens)
+                                          cu_seqlens, qk_l2norm=qk_normed)
         q = self._activate(q).view(B, T, self.num_heads, self.head_k_dim)
         k = self._activate(k).view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_heads, self.head_v_dim)
@@ -122,7 +125,7 @@ class DeltaNet(nn.Module):
         o, recurrent_state = op(
             q, k, v, beta=beta, initial_state=cache_entry(state, "recurrent_state"),
             output_final_state=use_cache, cu_seqlens=cu_seqlens,
-            use_qk_l2norm_in_kernel=self.qk_norm == "l2")
+            use_qk_l2norm_in_kernel=self.qk_norm == "l2" and not qk_normed)
         update_cache(past_key_values, self.layer_idx, use_cache, T,
                      recurrent_state=recurrent_state, conv_state=conv_state)
         return gated_output(self, o, hidden_states, self.use_gate), None, past_key_values

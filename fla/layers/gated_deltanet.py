@@ -97,8 +97,13 @@ class GatedDeltaNet(nn.Module):
         # a and b (packed [a | b]) and the output gate read the same input as q, k, v:
         # projected together (one autograd node, input gradients summed in the GEMMs).
         gates = [(self.a_proj, self.b_proj)] + ([(self.g_proj,)] if self.use_gate else [])
+        # The chunk op would L2-normalise q and k in separate launches anyway; done as they
+        # leave the fused projection, they are read in place there (the recurrent kernel
+        # normalises inside itself, so that mode keeps it).
+        qk_normed = mode == "chunk" and self.use_short_conv
         q, k, v, conv_state, ab, *gate = project_qkv(self, hidden_states, state, use_cache,
-                                                     mask, cu_seqlens, extra=gates)
+                                                     mask, cu_seqlens, extra=gates,
+                                                     qk_l2norm=qk_normed)
         if not self.use_short_conv:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = q.view(B, T, self.num_heads, self.head_k_dim)
@@ -117,7 +122,8 @@ class GatedDeltaNet(nn.Module):
         o, recurrent_state = op(
             q, k, v, g=g, beta=beta,
             initial_state=cache_entry(state, "recurrent_state"),
-            output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+            output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=not qk_normed)
         update_cache(past_key_values, self.layer_idx, use_cache, T,
                      recurrent_state=recurrent_state, conv_state=conv_state)
         return (gated_output(self, o, hidden_states, self.use_gate, *gate), None,

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.modules.convolution import causal_conv1d
+from fla.modules.l2norm import l2norm
+from fla.modules.qkv_l2norm import split_qkv_l2norm
 
 MODES = ("chunk", "fused_recurrent")
 
@@ -207,31 +209,37 @@ class _SharedInputLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, widths):
-        x2 = x.reshape(-1, x.shape[-1])
         outs, start = [], 0
         for width in widths:
-            outs.append(torch.mm(x2, weight[start:start + width].t())
-                        .view(*x.shape[:-1], width))
+            # F.linear's outputs are fresh tensors (not views): a caller may modify them
+            # in place, as it could the separate projections'.
+            outs.append(F.linear(x, weight[start:start + width]))
             start += width
-        ctx.save_for_backward(x2, weight)
-        ctx.widths, ctx.x_shape = widths, x.shape
+        ctx.save_for_backward(x, weight)
+        ctx.widths = widths
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *douts):
-        x2, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[:2]
         dx, dweights, start = None, [], 0
         for width, d in zip(ctx.widths, douts):
             w = weight[start:start + width]
             start += width
             if d is None:
-                dweights.append(torch.zeros_like(w))
+                dweights.append(torch.zeros_like(w) if need_dw else None)
                 continue
             d2 = d.reshape(-1, width)
-            if ctx.needs_input_grad[0]:
+            if need_dx:
                 dx = torch.mm(d2, w) if dx is None else torch.addmm(dx, d2, w)
-            dweights.append(torch.mm(d2.t(), x2))
-        return (None if dx is None else dx.view(ctx.x_shape)), torch.cat(dweights), None
+            dweights.append(torch.mm(d2.t(), x2) if need_dw else None)
+        dweight = torch.cat(dweights) if need_dw else None
+        return (None if dx is None else dx.view(x.shape)), dweight, None
+
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def shared_input_linears(x: torch.Tensor, *groups) -> list[torch.Tensor]:
@@ -250,7 +258,8 @@ def shared_input_linears(x: torch.Tensor, *groups) -> list[torch.Tensor]:
         return [fused_linear(x, *group) for group in groups]
     weight = torch.cat([lin.weight for lin in linears])
     device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
+    # Autocast's rule for a Linear: 16/32-bit float inputs run in its dtype, float64 not.
+    if torch.is_autocast_enabled(device) and x.dtype in _AUTOCAST_ELIGIBLE:
         dtype = torch.get_autocast_dtype(device)
         weight, x = weight.to(dtype), x.to(dtype)
     if weight.dtype != x.dtype:  # F.linear's own error message for the mismatch
@@ -274,7 +283,8 @@ def _fusable(linears, convs) -> bool:
 
 
 def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cache: bool,
-                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, extra=()):
+                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, extra=(),
+                qk_l2norm: bool = False):
     """q, k, v of ``hidden_states [B, T, d]`` by ``layer.q_proj``, ``k_proj``, ``v_proj``,
     then, with ``layer.use_short_conv``, its ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (see
     :func:`short_convs`; their caches are the ``conv_state`` of ``state``). Returns
@@ -289,7 +299,13 @@ def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cach
 
     ``extra``: more groups of Linears reading ``hidden_states`` (a layer's gate
     projections); their outputs (:func:`shared_input_linears`, with q/k/v's when fused)
-    follow ``conv_state`` in the returned tuple."""
+    follow ``conv_state`` in the returned tuple.
+
+    ``qk_l2norm``: q and k come back normalised to unit L2 norm per head of
+    ``layer.head_k_dim`` (after the convolutions, so only for layers whose activation is
+    the convolutions' SiLU), as ``[B, T, H, head_k_dim]``. On the fused path
+    :func:`fla.modules.qkv_l2norm.split_qkv_l2norm` does it in place on the fused tensor
+    (no copies of q and k; one gradient tensor back, no concatenation)."""
     linears = (layer.q_proj, layer.k_proj, layer.v_proj)
     widths = [lin.out_features for lin in linears]
     convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d) if layer.use_short_conv else None
@@ -301,13 +317,19 @@ def project_qkv(layer, hidden_states: torch.Tensor, state: dict | None, use_cach
             qkv, _ = causal_conv1d(mask_tokens(qkv, mask),
                                    torch.cat([c.weight for c in convs]), bias,
                                    activation=convs[0].activation, cu_seqlens=cu_seqlens)
-        q, k, v = qkv.split(widths, dim=-1)
+        if qk_l2norm:
+            q, k, v = split_qkv_l2norm(qkv, widths[0], layer.head_k_dim, layer.head_v_dim)
+        else:
+            q, k, v = qkv.split(widths, dim=-1)
         return (q, k, v, None, *extras)
     q, k, v = (lin(hidden_states) for lin in linears)
     conv_state = None
     if convs is not None:
         (q, k, v), conv_state = short_convs(convs, (q, k, v), conv_cache, use_cache, mask,
                                             cu_seqlens)
+    if qk_l2norm:
+        q = l2norm(q.unflatten(-1, (-1, layer.head_k_dim)))
+        k = l2norm(k.unflatten(-1, (-1, layer.head_k_dim)))
     return (q, k, v, conv_state, *(fused_linear(hidden_states, *group) for group in extra))
 
 

@@ -24,8 +24,8 @@ from fla.models.config import FLAConfig
 from fla.modules.layernorm import _Norm
 from fla.models.utils import Cache
 
-# The layers, modules and kernels are imported where a model is built or run, not here
-# (the norms and losses inside the methods that use them).
+# The layers and the losses are imported where a model is built or run, not here; the
+# norms' module is imported above (every block's forward calls it).
 
 __all__ = ["FLAConfig", "FLABlock", "FLAPreTrainedModel", "FLAModel", "FLAForCausalLM"]
 

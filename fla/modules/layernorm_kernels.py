@@ -475,6 +475,15 @@ def _backward_programs(N: int, groups_and_chunks: int, device: torch.device) -> 
     return max(1, min(N, _cdiv(2 * sms, groups_and_chunks)))
 
 
+def _check_contiguous(*tensors: torch.Tensor | None) -> None:
+    """The kernels index rows as a contiguous [N, G·D]: any other layout would be read
+    wrong, so it is refused (the public norms make their inputs contiguous first)."""
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"norm kernels: expected contiguous tensors, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+
+
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
              residual: torch.Tensor | None, g: torch.Tensor | None, eps: float,
              num_groups: int, is_rms_norm: bool, activation: int,
@@ -486,6 +495,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     stored only when ``residual_dtype`` is given. Rows are never reshaped here: the
     kernels index contiguous rows, and a view per call costs host time.
     """
+    _check_contiguous(x, residual, g)
     width = x.shape[-1]
     N = x.numel() // width
     G = num_groups
@@ -524,6 +534,7 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
     dweight or None, dbias or None)``, each shaped like its input; dweight and dbias in
     the parameter's dtype.
     """
+    _check_contiguous(dy, s, g, dresidual_out)
     width = s.shape[-1]
     N = s.numel() // width
     G = num_groups

@@ -133,8 +133,11 @@ def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mappin
             parts.append(f"(_c := {read}).__class__, _c")
         else:  # tensors and None inline (most arguments); anything else through _spec
             other = "(_spec(_v), _v)" if name in valued else "_spec(_v)"
+            # Any tensor (a Parameter too) by its dtype and alignment only: the key must
+            # never hold a tensor (it would keep it alive, and compare it by value).
             parts.append(f"((_v.dtype, not _v.data_ptr() & 15) if (_v := {read}).__class__ "
-                         f"is _Tensor else None if _v is None else {other})")
+                         f"is _Tensor or isinstance(_v, _Tensor) else None if _v is None "
+                         f"else {other})")
     source = (f"def key(args, head):\n    return head + ({''.join(p + ', ' for p in parts)})\n"
               f"def values(args):\n    return [{', '.join(reads)}]\n")
     exec(compile(source, "<fla.utils.direct_launch>", "exec"), env)  # noqa: S102
@@ -213,6 +216,10 @@ class DirectLauncher:
                 self._by_caller[self._caller_key(named, self._head())] = (config, entry)
         except (_Unsupported, TypeError, KeyError):
             pass
+
+    def forget(self) -> None:
+        """Drop the remembered calls (their configs were chosen under rules since changed)."""
+        self._by_caller = {}
 
     def lookup(self, named: Mapping[str, Any]) -> tuple[Any, tuple, int] | None:
         """``(config, compiled entry, device)`` remembered for these caller arguments on

@@ -169,6 +169,7 @@ class TunedKernel:
                     f"tuned({self.name}): {what} names {unknown} are not arguments of the "
                     f"kernel; its arguments are {self.arg_names}")
         self.key = tuple(key)
+        self._direct = None
         self.default = default
         self.space = space
         self.reset_to_zero = tuple(reset_to_zero)
@@ -184,6 +185,28 @@ class TunedKernel:
                         and not is_interpreter() and torch.version.hip is None
                         and hasattr(kernel, "params") else None)
         self.failures: dict[tuple, dict[Config, str]] = {}
+
+    # Replacing the default rule or the chosen configs (tests force configs so) must also
+    # drop the direct launcher's remembered calls, which hold the configs chosen before.
+    @property
+    def default(self) -> Callable[[Mapping[str, Any]], Config]:
+        return self._default
+
+    @default.setter
+    def default(self, rule) -> None:
+        self._default = rule
+        if self._direct is not None:
+            self._direct.forget()
+
+    @property
+    def _chosen(self) -> dict[tuple, Config]:
+        return self._chosen_configs
+
+    @_chosen.setter
+    def _chosen(self, chosen: dict[tuple, Config]) -> None:
+        self._chosen_configs = chosen
+        if self._direct is not None:
+            self._direct.forget()
 
     # ------------------------------------------------------------------ public
     def __getitem__(self, grid):

@@ -64,6 +64,43 @@ def test_fused_path_equals_the_three_apart(conv_bias, inputs, seed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"tensor {i}")
 
 
+def unit_heads(t, head_dim):
+    t = t.unflatten(-1, (-1, head_dim))
+    return t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("inputs", ["dense", "packed"])
+def test_qk_l2norm_on_the_fused_and_the_apart_path(use_cache, inputs, seed):
+    """qk_l2norm: q and k normalised per head after the convolutions, on the fused path
+    (split_qkv_l2norm over the fused tensor) and apart (use_cache), gradients included."""
+    gen = generator(seed)
+    layer = make_layer(seed, True)
+    cu_seqlens = None
+    if inputs == "packed":
+        lengths = uneven_lengths(3, gen, low=1, high=30)
+        x = randn((1, sum(lengths), 64), gen)
+        cu_seqlens = cu_seqlens_of(lengths)
+    else:
+        x = randn((2, 37, 64), gen)
+    do = [randn((*x.shape[:2], 2, 16), gen), randn((*x.shape[:2], 2, 16), gen),
+          randn((*x.shape[:2], 64), gen)]
+
+    def normed(t):
+        q, k, v = project_qkv(layer, t, None, use_cache, None, cu_seqlens, qk_l2norm=True)[:3]
+        assert q.shape == k.shape == (*t.shape[:2], 2, 16)
+        return q, k, v.reshape(*t.shape[:2], 64)
+
+    def expected(t):
+        q, k, v = apart(layer, t, None, cu_seqlens)
+        return unit_heads(q, 16), unit_heads(k, 16), v
+
+    got = outputs_and_grads(normed, layer, x, do)
+    want = outputs_and_grads(expected, layer, x, do)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"tensor {i}")
+
+
 class ScaledLinear(nn.Linear):
     """A Linear whose forward is not its weights' maths alone (as an adapter's)."""
 
@@ -103,6 +140,26 @@ def groups_of_linears(seed: int):
             (nn.Linear(16, 3, bias=False),), (nn.Linear(16, 5, bias=False),)]
 
 
+def shared_and_apart(groups, x, loss_of, autocast=None):
+    """Run ``shared_input_linears`` and each group's ``fused_linear`` apart over ``x``;
+    for each: [outputs..., x's gradient, every weight's gradient (zeros where None)]."""
+    results = []
+    for fn in (lambda t: shared_input_linears(t, *groups),
+               lambda t: [fused_linear(t, *group) for group in groups]):
+        for group in groups:
+            for lin in group:
+                lin.weight.grad = None
+        xi = x.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            outs = fn(xi)
+        assert all(o.dtype == (autocast or x.dtype) for o in outs)
+        loss_of(outs).backward()
+        results.append([*[o.detach().float() for o in outs], xi.grad,
+                        *[torch.zeros_like(lin.weight) if lin.weight.grad is None
+                          else lin.weight.grad for group in groups for lin in group]])
+    return results
+
+
 @pytest.mark.parametrize("used", ["all", "some"])
 def test_shared_input_linears_equal_the_groups_apart(used, seed):
     """One node for several groups of projections of one input: values and the gradients
@@ -115,18 +172,8 @@ def test_shared_input_linears_equal_the_groups_apart(used, seed):
     widths = [sum(lin.out_features for lin in group) for group in groups]
     do = [randn((3, 7, w), gen) for w in widths]
     keep = [True, used == "all", True]
-    results = []
-    for fn in (lambda t: shared_input_linears(t, *groups),
-               lambda t: [fused_linear(t, *group) for group in groups]):
-        for group in groups:
-            for lin in group:
-                lin.weight.grad = None
-        xi = x.detach().requires_grad_()
-        outs = fn(xi)
-        sum((o * d).sum() for o, d, k in zip(outs, do, keep) if k).backward()
-        results.append([*[o.detach() for o in outs], xi.grad,
-                        *[torch.zeros_like(lin.weight) if lin.weight.grad is None
-                          else lin.weight.grad for group in groups for lin in group]])
+    results = shared_and_apart(
+        groups, x, lambda outs: sum((o * d).sum() for o, d, k in zip(outs, do, keep) if k))
     for i, (a, b) in enumerate(zip(*results)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"tensor {i}")
 
@@ -137,20 +184,10 @@ def test_shared_input_linears_under_autocast(seed):
     gen = generator(seed)
     groups = groups_of_linears(seed)
     x = randn((2, 5, 16), gen)
-    results = []
-    for fn in (lambda t: shared_input_linears(t, *groups),
-               lambda t: [fused_linear(t, *group) for group in groups]):
-        for group in groups:
-            for lin in group:
-                lin.weight.grad = None
-        xi = x.detach().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            outs = fn(xi)
-        assert all(o.dtype == torch.bfloat16 for o in outs)
-        sum(o.float().sum() for o in outs).backward()
-        results.append([*[o.detach().float() for o in outs], xi.grad,
-                        *[lin.weight.grad for group in groups for lin in group]])
-    assert all(g.dtype == torch.float32 for g in results[0][len(groups):])
+    results = shared_and_apart(groups, x, lambda outs: sum(o.float().sum() for o in outs),
+                               autocast=torch.bfloat16)
+    n_out = len(groups) + 1
+    assert all(g.dtype == torch.float32 for g in results[0][n_out:])
     for i, (a, b) in enumerate(zip(*results)):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=f"tensor {i}")
 
@@ -168,3 +205,26 @@ def test_gate_projections_ride_with_qkv(seed):
     for i in (0, 1, 2, 4, 5):
         torch.testing.assert_close(fused[i], with_cache[i], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused[5], layer.g_proj(x))
+
+
+def test_shared_input_linears_like_separate_linears_at_the_edges(seed):
+    """As separate Linears would: outputs may be modified in place, float64 stays float64
+    under autocast, and frozen weights get no gradient (none is computed)."""
+    gen = generator(seed)
+    groups = groups_of_linears(seed)
+    x = randn((2, 5, 16), gen, requires_grad=True)
+    outs = shared_input_linears(x, *groups)
+    outs[1].mul_(2)  # in place on an output
+    sum(o.sum() for o in outs).backward()
+    for group in groups:
+        for lin in group:
+            lin.weight.requires_grad_(False)
+            lin.weight.grad = None
+    x.grad = None
+    sum(o.sum() for o in shared_input_linears(x, *groups)).backward()
+    assert x.grad is not None
+    assert all(lin.weight.grad is None for group in groups for lin in group)
+    groups64 = [tuple(lin.double() for lin in group) for group in groups]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = shared_input_linears(x.detach().double(), *groups64)
+    assert all(o.dtype == torch.float64 for o in outs)

@@ -94,3 +94,61 @@ def test_gpu_bf16_real_size(seed):
     check_l2norm((8, 4096, 16, 128), torch.bfloat16, "cuda", seed)
     check_l2norm((4096, 4096), torch.bfloat16, "cuda", seed + 1)
     check_l2norm((4, kernels.MAX_SINGLE_PASS_D + 1000), torch.bfloat16, "cuda", seed + 2)
+
+
+def test_token_rows_of_layouts():
+    base = torch.randn(2, 5, 3 * 4 * 8)
+    q = base[..., 32:64].unflatten(-1, (4, 8))
+    assert l2mod.token_rows(torch.randn(2, 5, 4, 8)) == (1, 8)
+    assert l2mod.token_rows(q) == (4, 96)
+    assert l2mod.token_rows(base[:1, :1, 32:64].unflatten(-1, (4, 8))) == (1, 8)  # contiguous
+    assert l2mod.token_rows(base[:1, ::2, :32].unflatten(-1, (4, 8))) == (4, 192)
+    assert l2mod.token_rows(base[:, ::2, :32].unflatten(-1, (4, 8))) is None  # 480 != 3·192
+    assert l2mod.token_rows(q.transpose(0, 1)) is None  # tokens not evenly strided
+    assert l2mod.token_rows(q.transpose(-1, -2)) is None  # rows not unit-stride
+    assert l2mod.token_rows(torch.randn(5, 1, 8).expand(5, 3, 8)) is None  # overlapping
+    assert l2mod.token_rows(base[..., :8]) is None  # 3-D: heads 5 apart, not 8
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_rows_are_read_in_place(dtype, device, monkeypatch, seed):
+    """q as a view of a fused [B, T, 3·H·D] projection: the kernels read it where it is
+    (the launch gets the view's own address) and the values and gradients equal float64."""
+    gen = generator(seed)
+    base = randn((2, 37, 3 * 4 * 32), gen, dtype, device, requires_grad=True)
+    calls = record_launches(monkeypatch, l2mod.l2norm_fwd_kernel)
+    x = base[..., 128:256].unflatten(-1, (4, 32))
+    y = l2norm(x)
+    assert calls[0][1]["x"].data_ptr() == x.data_ptr() and calls[0][1]["x_stride"] == 384
+    dy = randn(y.shape, gen, dtype, device)
+    y.backward(dy)
+    x_ref = x.detach().double().requires_grad_()
+    ref_l2norm(x_ref).backward(dy.double())
+    assert_rel_close("y", y, ref_l2norm(x.detach().double()), TOLERANCE[dtype])
+    assert_rel_close("dx", base.grad[..., 128:256].unflatten(-1, (4, 32)), x_ref.grad,
+                     TOLERANCE[dtype])
+    assert torch.all(base.grad[..., :128] == 0) and torch.all(base.grad[..., 256:] == 0)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("multi_pass", [False, True])
+def test_backward_from_the_output_into_a_slice(multi_pass, device, monkeypatch, seed):
+    """l2norm_bwd(y, ..., from_output=True, dx=slice): the gradient from the output alone,
+    written into the columns of a wider tensor, the other columns untouched."""
+    if multi_pass:
+        monkeypatch.setattr(kernels, "MAX_SINGLE_PASS_D", 32)
+        monkeypatch.setattr(kernels, "MULTI_PASS_BLOCK", 16)
+    gen = generator(seed)
+    x = randn((3, 11, 2, 48), gen, device=device)
+    dy = randn(x.shape, gen, device=device)
+    y, rstd = l2mod.l2norm_fwd(x)
+    out = torch.full((3, 11, 200), 7.0, device=device)
+    dx = out[..., 100:196].unflatten(-1, (2, 48))
+    assert l2mod.l2norm_bwd(y, rstd, dy, from_output=True, dx=dx) is dx
+    x_ref = x.double().requires_grad_()
+    ref_l2norm(x_ref).backward(dy.double())
+    assert_rel_close("dx", dx, x_ref.grad, 1e-4)
+    assert torch.all(out[..., :100] == 7) and torch.all(out[..., 196:] == 7)
+    with pytest.raises(ValueError, match="dx"):
+        l2mod.l2norm_bwd(y, rstd, dy, dx=out[..., :96].unflatten(-1, (2, 48)).transpose(0, 1))

@@ -250,8 +250,9 @@ def test_modules(device, seed):
 def test_output_dtype_is_a_cast_of_the_output(backend, out_dtype, prenorm, monkeypatch, device,
                                               seed):
     """``output_dtype`` (a float32 residual stream normed into the autocast dtype) gives
-    exactly the cast of the float32 output, and exactly its gradients: the kernels compute
-    y in fp32 and round once, and read a 16-bit dy as the cast's backward would hand it."""
+    exactly the cast of the float32 output, and its gradients (to fp32 summation order):
+    the kernels compute y in fp32 and round once, and read a 16-bit dy as the cast's
+    backward would hand it."""
     if backend == "torch":
         monkeypatch.setenv("FLA_BACKEND", "torch")
         device = "cpu"
@@ -273,11 +274,14 @@ def test_output_dtype_is_a_cast_of_the_output(backend, out_dtype, prenorm, monke
         leaves = [x, weight] + ([residual] if prenorm else [])
         results.append([y.detach()] + list(torch.autograd.grad(outputs, leaves, grads)))
     # Triton's interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): there y
-    # may differ from the cast by one bf16 ulp; the gradients are exact everywhere.
+    # may differ from the cast by one bf16 ulp. The gradients are exact on the CPU; on the
+    # GPU the kernel compiled for a 16-bit dy orders its fp32 sums differently from the one
+    # for an fp32 dy (1e-7 relative seen on the H100).
     loose_y = backend == "triton" and device == "cpu" and out_dtype == torch.bfloat16
+    fp32_order = 1e-6 if device == "cuda" else 0
     for name, a, b in zip(["y", "dx", "dweight", "dresidual"], *results):
-        rtol = 2 ** -7 if loose_y and name == "y" else 0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=0, msg=name)
+        rtol = 2 ** -7 if loose_y and name == "y" else 0 if name == "y" else fp32_order
+        torch.testing.assert_close(a, b, rtol=rtol, atol=fp32_order, msg=name)
     with pytest.raises(TypeError, match="output_dtype"):
         rms_norm(x, weight, None, output_dtype=torch.int32)
 

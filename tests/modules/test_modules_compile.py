@@ -30,13 +30,15 @@ from fla.modules.activations import swiglu
 from fla.modules.convolution import causal_conv1d
 from fla.modules.fused_cross_entropy import _cross_entropy_triton
 from fla.modules.fused_linear_cross_entropy import _linear_cross_entropy_triton
+from fla.modules.qkv_l2norm import split_qkv_l2norm
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from tests.helpers import cu_seqlens_of, generator, randn
 
 pytestmark = pytest.mark.interpret
 
-OPS = ["l2norm_fwd", "l2norm_bwd", "swiglu_fwd", "swiglu_bwd", "swiglu_packed_fwd",
-       "swiglu_packed_bwd", "norm_fwd", "norm_bwd", "causal_conv1d_fwd", "causal_conv1d_bwd",
+OPS = ["l2norm_fwd", "l2norm_bwd", "split_qkv_l2norm_fwd", "split_qkv_l2norm_bwd",
+       "swiglu_fwd", "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "norm_fwd",
+       "norm_bwd", "causal_conv1d_fwd", "causal_conv1d_bwd",
        "causal_conv1d_update", "cross_entropy_fwd", "cross_entropy_bwd",
        "linear_cross_entropy_fwd", "linear_cross_entropy_bwd", "chunk_local_cumsum"]
 
@@ -124,6 +126,12 @@ def test_fused_rms_norm_gated(device, seed):
 def test_l2_norm(device, seed):
     x = randn((2, 7, 3, 16), generator(seed), device=device, requires_grad=True)
     compare_compiled(l2_norm, (x,), ["l2norm_fwd", "l2norm_bwd"], seed)
+
+
+def test_split_qkv_l2norm(device, seed):
+    qkv = randn((2, 7, 3 * 32), generator(seed), device=device, requires_grad=True)
+    compare_compiled(lambda t: split_qkv_l2norm(t, 32, 16, 16), (qkv,),
+                     ["split_qkv_l2norm_fwd", "split_qkv_l2norm_bwd"], seed)
 
 
 # ------------------------------------------------------------------------- convolution

@@ -33,7 +33,8 @@ def nan_like(x):
 
 
 def count_runs(kernel: TunedKernel) -> list:
-    """Record the config of every launch that reaches the Triton kernel."""
+    """Record the config of every launch that reaches the Triton kernel, through Triton
+    or (on a GPU, calls seen before) directly."""
     runs = []
     real_run = kernel._run
 
@@ -42,6 +43,17 @@ def count_runs(kernel: TunedKernel) -> list:
         return real_run(config, grid, named)
 
     kernel._run = run
+    direct = kernel._direct
+    if direct is not None:
+        real_lookup = direct.lookup
+
+        def lookup(named):
+            hit = real_lookup(named)
+            if hit is not None:
+                runs.append(hit[0])
+            return hit
+
+        direct.lookup = lookup
     return runs
 
 
