@@ -40,21 +40,25 @@ def outputs_and_grads(fn, layer, x, do):
     return list(outs) + [x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
 
 
+def layer_inputs(kind: str, gen):
+    """``(x, mask, cu_seqlens)``: ``[2, 37, 64]`` ("dense"), the same with the first row
+    left-padded by 11 ("padded"), or three uneven sequences packed in one row ("packed")."""
+    if kind == "packed":
+        lengths = uneven_lengths(3, gen, low=1, high=30)
+        return randn((1, sum(lengths), 64), gen), None, cu_seqlens_of(lengths)
+    mask = None
+    if kind == "padded":
+        mask = torch.ones(2, 37, dtype=torch.bool)
+        mask[0, :11] = False
+    return randn((2, 37, 64), gen), mask, None
+
+
 @pytest.mark.parametrize("conv_bias", [False, True])
 @pytest.mark.parametrize("inputs", ["dense", "padded", "packed"])
 def test_fused_path_equals_the_three_apart(conv_bias, inputs, seed):
     gen = generator(seed)
     layer = make_layer(seed, conv_bias)
-    mask = cu_seqlens = None
-    if inputs == "packed":
-        lengths = uneven_lengths(3, gen, low=1, high=30)
-        x = randn((1, sum(lengths), 64), gen)
-        cu_seqlens = cu_seqlens_of(lengths)
-    else:
-        x = randn((2, 37, 64), gen)
-        if inputs == "padded":
-            mask = torch.ones(2, 37, dtype=torch.bool)
-            mask[0, :11] = False
+    x, mask, cu_seqlens = layer_inputs(inputs, gen)
     do = [randn((*x.shape[:2], w), gen) for w in (32, 32, 64)]
     fused = outputs_and_grads(
         lambda t: project_qkv(layer, t, None, False, mask, cu_seqlens)[:3], layer, x, do)
@@ -76,13 +80,7 @@ def test_qk_l2norm_on_the_fused_and_the_apart_path(use_cache, inputs, seed):
     (split_qkv_l2norm over the fused tensor) and apart (use_cache), gradients included."""
     gen = generator(seed)
     layer = make_layer(seed, True)
-    cu_seqlens = None
-    if inputs == "packed":
-        lengths = uneven_lengths(3, gen, low=1, high=30)
-        x = randn((1, sum(lengths), 64), gen)
-        cu_seqlens = cu_seqlens_of(lengths)
-    else:
-        x = randn((2, 37, 64), gen)
+    x, _, cu_seqlens = layer_inputs(inputs, gen)
     do = [randn((*x.shape[:2], 2, 16), gen), randn((*x.shape[:2], 2, 16), gen),
           randn((*x.shape[:2], 64), gen)]
 
