@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
-from fla.ops.utils.partial_sums import sum_partials
+from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import decode_op, outside_graph, present, stage_op, upstream_grads
 from fla.utils.tuning import Config, tuned
@@ -335,10 +335,7 @@ def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, chunk
         w=weight, dz=dz, dht=dht, dx=dx, dh0=dh0, T=T, D=D, W=W, BT=CONV_BT,
         BW=triton.next_power_of_2(W), HAS_DHT=dht is not None, STORE_DH0=need_dh0, **varlen,
     )
-    if bias is not None:
-        dw, db = sum_partials(dw, weight, db, bias)
-    else:
-        dw = sum_partials(dw, weight)
+    dw, db = sum_partial_pair(dw, weight, db, bias)
     dh0 = dh0.to(h0.dtype) if need_dh0 else None
     return dx, dw, db, dh0
 

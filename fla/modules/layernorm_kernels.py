@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.partial_sums import sum_partials
+from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.triton_facts import multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
@@ -564,11 +564,5 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
         HAS_DRESIDUAL_OUT=dresidual_out is not None, HAS_DRESIDUAL=dresidual is not None,
         STATS_GIVEN=NCHUNK > 1)
-    dweight = dbias = None
-    if weight is not None and bias is not None:
-        dweight, dbias = sum_partials(dw_part, weight, db_part, bias)
-    elif weight is not None:
-        dweight = sum_partials(dw_part, weight)
-    elif bias is not None:
-        dbias = sum_partials(db_part, bias)
+    dweight, dbias = sum_partial_pair(dw_part, weight, db_part, bias)
     return dx, dresidual, dg, dweight, dbias

@@ -209,11 +209,11 @@ class DirectLauncher:
                 self.defaults, self._valued)
         if meta != self._meta_names or not self._usable():
             return
+        head = self._head()
         try:
-            entry = self._compiled.get(self._key({**named, **config.meta},
-                                                 (config, *self._head())))
+            entry = self._compiled.get(self._key({**named, **config.meta}, (config, *head)))
             if entry is not None:
-                self._by_caller[self._caller_key(named, self._head())] = (config, entry)
+                self._by_caller[self._caller_key(named, head)] = (config, entry)
         except (_Unsupported, TypeError, KeyError):
             pass
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fla.ops.utils.partial_sums import sum_partials
+from fla.ops.utils.partial_sums import sum_partial_pair, sum_partials
 from tests.helpers import TOLERANCE, assert_rel_close, generator, randn
 
 pytestmark = pytest.mark.interpret
@@ -44,3 +44,18 @@ def test_cancelling_partials_are_summed_before_rounding(device):
     parts = torch.tensor([[1 + 2 ** -10], [-1.0]], device=device)
     out = sum_partials(parts, torch.empty(1, dtype=torch.bfloat16, device=device))
     assert out.item() == 2 ** -10
+
+
+@pytest.mark.parametrize("present", ["a", "b", "both", "none"])
+def test_a_pair_either_of_which_may_be_absent(present, device, seed):
+    """sum_partial_pair: a None ``like`` gives a None gradient, the others their sums."""
+    gen = generator(seed)
+    parts = [randn((9, 12), gen, torch.float32, device) for _ in "ab"]
+    likes = [torch.empty(12, device=device) if name in present or present == "both" else None
+             for name in "ab"]
+    outs = sum_partial_pair(parts[0], likes[0], parts[1], likes[1])
+    for part, like, out in zip(parts, likes, outs):
+        if like is None:
+            assert out is None
+        else:
+            assert_rel_close("sum", out, part.double().sum(0), TOLERANCE[torch.float32])

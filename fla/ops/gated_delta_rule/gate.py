@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fla.ops.utils.partial_sums import sum_partials
+from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
 from fla.utils.tuning import Config, tuned
@@ -164,10 +164,7 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
         dab=dab, dA_part=dA_part, ddt_part=ddt_part, beta_scale=beta_scale, R=R, H=H,
         BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None,
         HAS_DG=dg is not None, HAS_DBETA=dbeta is not None)
-    if dt_bias is not None:
-        dA_log, ddt_bias = sum_partials(dA_part, A_log, ddt_part, dt_bias)
-    else:
-        dA_log, ddt_bias = sum_partials(dA_part, A_log), None
+    dA_log, ddt_bias = sum_partial_pair(dA_part, A_log, ddt_part, dt_bias)
     return dab, dA_log, ddt_bias
 
 

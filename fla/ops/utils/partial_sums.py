@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fla.utils.tuning import Config, tuned
 
-__all__ = ["sum_partials", "sum_partials_kernel"]
+__all__ = ["sum_partials", "sum_partial_pair", "sum_partials_kernel"]
 
 # Columns per program: small enough that P x BM partial loads spread over many SMs
 # (M = 4096 gives 128 programs), rows per step: BP x BM = 2048 fp32 values in flight.
@@ -88,3 +88,16 @@ def sum_partials(parts_a: torch.Tensor, like_a: torch.Tensor,
         parts_a=parts_a, out_a=out_a, parts_b=parts_b, out_b=out_b, P=P, MA=MA, MB=MB,
         HAS_B=parts_b is not None, BP=_BP, BM=_BM)
     return out_a if parts_b is None else (out_a, out_b)
+
+
+def sum_partial_pair(parts_a: torch.Tensor | None, like_a: torch.Tensor | None,
+                     parts_b: torch.Tensor | None, like_b: torch.Tensor | None):
+    """:func:`sum_partials` for a parameter pair either of which may be absent (a norm's
+    weight and bias, a convolution's filter and bias, the gate's A and dt_bias): returns
+    ``(grad_a or None, grad_b or None)``, the present ones in one launch; a ``like`` of
+    None means that gradient does not exist."""
+    if like_a is None:
+        return None, (None if like_b is None else sum_partials(parts_b, like_b))
+    if like_b is None:
+        return sum_partials(parts_a, like_a), None
+    return sum_partials(parts_a, like_a, parts_b, like_b)
