@@ -106,8 +106,10 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
 
 
 def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
-    """The kernels of chunk_simple_gla, plus the staged forward (state pass storing h,
-    then the parallel output stage) it could use instead of the fused one."""
+    """The kernels of chunk_simple_gla, the op with its scores formed in the passes (the
+    default up to K = 128) and with them stored by the intra kernel
+    (``SCORES_IN_PASS_MAX_K = 0``), and the staged forward (state pass storing h, then
+    the parallel output stage) it could use instead of the fused one."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
@@ -115,6 +117,8 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
     from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    from fla.ops.utils.cumsum import chunk_local_cumsum
 
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
     scale = x["D"] ** -0.5
@@ -123,13 +127,18 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
     with torch.no_grad():
         g_cum, _, Aqk = st("fwd intra", lambda: chunk_gated_delta_rule_fwd_intra(
             q, k, g, None, delta=False))
-        st("fwd inter", lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, None, None, Aqk,
-                                                                 scale))
+        st("fwd inter (stored Aqk)", lambda: chunk_gated_delta_rule_fwd_inter(
+            q, k, v, g_cum, None, None, Aqk, scale))
+        st("fwd cumsum", lambda: chunk_local_cumsum(g, 64))
+        st("fwd inter (scores in pass)", lambda: chunk_gated_delta_rule_fwd_inter(
+            q, k, v, g_cum, None, None, None, scale))
         h, _, _ = st("staged fwd_h", lambda: chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, save_new_value=False))
         st("staged fwd_o", lambda: chunk_fwd_o(q, k, v, h, g_cum, scale))
-        dh, _, dv2 = st("bwd dhu (+dv_local)", lambda: chunk_gated_delta_rule_bwd_dhu(
+        st("bwd dhu (dv_local from stored Aqk)", lambda: chunk_gated_delta_rule_bwd_dhu(
             q, k, None, g_cum, None, None, do, None, scale, Aqk=Aqk))
+        dh, _, dv2 = st("bwd dhu (scores in pass)", lambda: chunk_gated_delta_rule_bwd_dhu(
+            q, k, None, g_cum, None, None, do, None, scale, form_scores=True))
         st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv2, do, dh, scale))
     leaves = [t_.requires_grad_() for t_ in (q, k, v, g)]
 
@@ -143,8 +152,17 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
         for leaf in leaves:
             leaf.grad = None
 
-    st("op fwd", fwd)
-    st("op fwd+bwd", fwdbwd)
+    default = simple_gla_chunk.SCORES_IN_PASS_MAX_K
+    for label, max_k in (("scores in pass", default), ("stored Aqk", 0)):
+        simple_gla_chunk.SCORES_IN_PASS_MAX_K = max_k
+        try:
+            st(f"op fwd ({label})", fwd)
+            st(f"op fwd+bwd ({label})", fwdbwd)
+            torch.cuda.reset_peak_memory_stats()
+            fwdbwd()
+            st.warm[f"op fwd+bwd peak GiB ({label})"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        finally:
+            simple_gla_chunk.SCORES_IN_PASS_MAX_K = default
     return st.warm, st.cold
 
 

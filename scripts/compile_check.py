@@ -9,7 +9,8 @@ Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forwar
 backward on CPU tensors, but every launch of a tuned kernel is replaced by an offline compilation with
 ``triton.compile`` for ``cuda:<arch>`` (nothing is executed: outputs stay
 uninitialised). For each kernel and config it prints the compile time and, with
-``--resources``, the registers, spills and shared memory cuobjdump reports. A kernel that fails
+``--resources``, the registers, spills and shared memory cuobjdump reports, and the
+static count of local-memory loads/stores (LDL/STL) in the code. A kernel that fails
 to compile on the installed Triton is reported with the compiler's message.
 
 Why: the CPU interpreter accepts code that the compiler refuses (a module-level global
@@ -76,7 +77,12 @@ def resource_report(cubin: bytes) -> str:
         path.write_bytes(cubin)
         out = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True,
                              text=True)
+        # Static counts of local-memory loads and stores in the code: how much of the
+        # stack frame is spill traffic (a frame alone may only hold a local array).
+        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
+                              text=True).stdout
     text = out.stdout + out.stderr
+    ldl, stl = len(re.findall(r"\bLDL\b", sass)), len(re.findall(r"\bSTL\b", sass))
     regs = re.search(r"REG:(\d+)", text)
     stack = re.search(r"STACK:(\d+)", text)
     smem = re.search(r"SHARED:(\d+)", text)
@@ -84,7 +90,8 @@ def resource_report(cubin: bytes) -> str:
     if not regs:
         return "cuobjdump: " + text[-200:]
     return (f"regs {regs.group(1)}, stack {stack.group(1) if stack else '?'} B, "
-            f"local {spill.group(1) if spill else '?'} B, smem {smem.group(1) if smem else '?'} B")
+            f"local {spill.group(1) if spill else '?'} B, smem {smem.group(1) if smem else '?'} B, "
+            f"LDL/STL {ldl}/{stl}")
 
 
 class OfflineCompiler:

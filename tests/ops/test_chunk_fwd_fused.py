@@ -150,6 +150,37 @@ def test_inter_split_into_segments(device, seed, dtype, case, segment_chunks):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES) + ["T300_split"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
+    """Without delta and without Aqk the pass forms Q Kᵀ ⊙ Γ itself: it gives the simple
+    GLA recurrence's output and final state (also split into segments), and the output
+    of the pass fed the exact Aqk within one rounding of it."""
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+    gen = generator(seed)
+    if case == "T300_split":
+        p = make_problem(gen, device, B=1, T=300, H=2, K=48, V=32, dtype=dtype)
+        split = 2
+    else:
+        p = problem(case, gen, device, dtype)
+        split = 0
+    gc = p["gc"] if gated else None
+    p = dict(p, beta=None)
+    o, ht = run_inter(p, gated, None, None, segment_chunks=split)
+    o_fed, _ = run_inter(p, gated, None, ref_aqk(p["q"], p["k"], gc, p["offsets"]).to(dtype),
+                         segment_chunks=split)
+    o_ref, ht_ref = naive_recurrent_simple_gla(
+        p["q"].to(F64), p["k"].to(F64), p["v"].to(F64), p["g"].to(F64) if gated else None,
+        scale=p["scale"], initial_state=p["h0"].to(F64), output_final_state=True,
+        cu_seqlens=p["cu_seqlens"])
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    assert_rel_close("o", o, o_ref, tol(dtype))
+    assert_rel_close("final_state", ht, ht_ref, tol(dtype))
+    assert_rel_close("o vs the pass fed Aqk", o, o_fed, tol(dtype))
+
+
+@pytest.mark.interpret
 def test_inter_without_initial_or_final_state(device, seed):
     p = problem("varlen", generator(seed), device, torch.float32)
     _, Ai, Aqk = run_intra(p, True)

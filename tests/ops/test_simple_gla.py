@@ -92,6 +92,8 @@ CASES = {
     "gate_and_gamma": dict(B=1, H=1, HV=1, K=16, V=32, gamma=True),
     "gamma_only_grouped_heads": dict(B=1, H=1, HV=2, K=16, V=16, gate=False, gamma=True),
     "no_decay_no_h0": dict(B=2, H=1, HV=1, K=16, V=16, gate=False, h0=False),
+    # Above SCORES_IN_PASS_MAX_K (128) the chunk op stores Aqk from the intra kernel.
+    "wide_keys_stored_scores": dict(B=1, H=1, HV=1, K=160, V=16),
 }
 
 

@@ -21,7 +21,9 @@ state row and the query side may read its own cumulative gate γq (RWKV6: exclus
     dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
     dS  ← diag(exp(γ_L)) dS + scale·(Q ⊙ exp(γq))ᵀ dO
 
-``dv_local`` is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s output. The gradient
+``dv_local`` = scale·(Q Kᵀ ⊙ Γ)ᵀ dO is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s
+output, or formed in the pass from the forward's saved scores (``Aqk``) or, without W
+and a vector gate (simple GLA), from the Q and K tiles the pass loads anyway. The gradient
 of ``initial_state`` is dS after the first chunk of each sequence.
 """
 from __future__ import annotations
@@ -71,8 +73,15 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
     return (b_q.to(tl.float32) * scale * tl.exp(b_g)).to(dt)
 
 
+@triton.jit
+def _add_scores(b_qk, q, p_q, m, b_k, DOT_PRECISION: tl.constexpr):
+    """b_qk + Q Kᵀ over one [BT, BK] channel tile (``b_k`` the K tile, Q read at ``p_q``)."""
+    return tl.dot(tl.load(q + p_q, mask=m, other=0.), tl.trans(b_k), b_qk,
+                  input_precision=DOT_PRECISION)
+
+
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "FORM_AQK"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -83,8 +92,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
+    FORM_AQK: tl.constexpr = False,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
+
+    ``FORM_AQK`` (scalar or no gate, no W): dv_local from Q Kᵀ ⊙ Γ formed per chunk from
+    the K tiles of dVn's state term and Q tiles loaded beside them.
 
     dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
     a K × BV block cannot be one tile for K up to 256 without spilling.
@@ -184,7 +197,11 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             if K > 3 * BK:
                 b_gl4 = tl.load(p_gl + o_k4, mask=m_k4, other=0.).to(tl.float32)
         b_dv2 = tl.zeros([BT, BV], dtype=tl.float32)
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_k = tl.load(k + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
+        if FORM_AQK:
+            b_qk = _add_scores(b_qk, q, k_rows + o_k1[None, :], m_t[:, None] & m_k1[None, :],
+                               b_k, DOT_PRECISION)
         if USE_GK:
             # exp(γ_L − γ) = 1 / exp(γ − γ_L): passed as exp(−(γ − γ_L)) via the negated
             # reference, never as a quotient.
@@ -194,6 +211,9 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > BK:
             b_k = tl.load(k + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                           other=0.)
+            if FORM_AQK:
+                b_qk = _add_scores(b_qk, q, k_rows + o_k2[None, :],
+                                   m_t[:, None] & m_k2[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k2[None, :],
                                        m_t[:, None] & m_k2[None, :], b_gl2, dt)
@@ -201,6 +221,9 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > 2 * BK:
             b_k = tl.load(k + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                           other=0.)
+            if FORM_AQK:
+                b_qk = _add_scores(b_qk, q, k_rows + o_k3[None, :],
+                                   m_t[:, None] & m_k3[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k3[None, :],
                                        m_t[:, None] & m_k3[None, :], b_gl3, dt)
@@ -208,6 +231,9 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > 3 * BK:
             b_k = tl.load(k + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                           other=0.)
+            if FORM_AQK:
+                b_qk = _add_scores(b_qk, q, k_rows + o_k4[None, :],
+                                   m_t[:, None] & m_k4[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k4[None, :],
                                        m_t[:, None] & m_k4[None, :], b_gl4, dt)
@@ -217,7 +243,16 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         v_off = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
-        if LOCAL_FROM_AQK:
+        if FORM_AQK:
+            # Aqk = Q Kᵀ ⊙ Γ on and below the diagonal (Γ_ij = exp(γ_i − γ_j) ≤ 1 there;
+            # the exponent zeroed above it first), rounded to dt as the forward used it.
+            o_c = tl.arange(0, BT)
+            m_causal = (m_t[:, None] & m_t[None, :]) & (o_c[:, None] >= o_c[None, :])
+            if USE_G:
+                b_qk *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], 0.))
+            b_a = tl.where(m_causal, b_qk, 0.).to(dt)
+            b_dv2 += scale * tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
+        elif LOCAL_FROM_AQK:
             # dv_local = scale·Aqkᵀ dO from the forward's causal scores: no separate kernel
             # and no dv round trip through memory.
             o_c = tl.arange(0, BT)
@@ -339,6 +374,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     Aqk: torch.Tensor | None = None,
     gq: torch.Tensor | None = None,
     gq_exclusive: bool = False,
+    form_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -352,7 +388,7 @@ def chunk_gated_delta_rule_bwd_dhu(
         dht: ``[N, H, K, V]`` gradient of the final state, or None (zero).
         do: ``[B, T, H, V]`` gradient of the output.
         dv: ``[B, T, H, V]`` intra-chunk gradient of Vn (``chunk_bwd_dv_local``), or None
-            with ``Aqk``.
+            with ``Aqk`` or ``form_scores``.
         scale: the output scale (default ``K ** -0.5``).
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_size: BT (64).
@@ -363,6 +399,8 @@ def chunk_gated_delta_rule_bwd_dhu(
             (RWKV6: exclusive, γ − w); None: γ itself.
         gq_exclusive: with a vector gate, the query side's gate is γ one token earlier
             (RWKV6's γ − w, read from g itself; ``gq`` is ignored).
+        form_scores: without W and a vector gate (simple GLA), form dv_local = scale·(Q Kᵀ
+            ⊙ Γ)ᵀ dO in the pass from Q and K (no ``dv``, no ``Aqk`` needed).
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -374,6 +412,10 @@ def chunk_gated_delta_rule_bwd_dhu(
         dv2 ``[B, T, H, V]`` in dv's (else do's) dtype, the full gradient of Vn (= ∂L/∂U).
     """
     check_kernel_device(q, k, w, g, do, dv, Aqk)
+    if form_scores and (w is not None or (g is not None and g.dim() == 4)
+                        or dv is not None or Aqk is not None):
+        raise ValueError("form_scores is for simple GLA's pass: no w, no vector gate, and "
+                         "neither dv nor Aqk")
     B, T, H, K = k.shape
     V = do.shape[-1]
     if K > 256:
@@ -411,5 +453,6 @@ def chunk_gated_delta_rule_bwd_dhu(
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
         **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else {}),
+        **(dict(FORM_AQK=True) if form_scores else {}),
     )
     return dh, dh0, dv2

@@ -69,27 +69,34 @@ def _space(args) -> list[Config]:
 
 
 @triton.jit
-def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, WITH_K: tl.constexpr,
-                     WITH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """K S and/or Q S accumulated over one 64-row tile of the state (16-bit operands)."""
+def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constexpr,
+                     WITH_Q: tl.constexpr, WITH_QK: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """K S and/or Q S accumulated over one 64-row tile of the state (16-bit operands),
+    and with ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels."""
     b_hc = b_h.to(k.dtype.element_ty)
+    if WITH_K or WITH_QK:
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.)
     if WITH_K:
-        b_ks = tl.dot(tl.load(k + p_qk, mask=m_tk, other=0.), b_hc, b_ks,
-                      input_precision=DOT_PRECISION)
+        b_ks = tl.dot(b_k, b_hc, b_ks, input_precision=DOT_PRECISION)
+    if WITH_Q or WITH_QK:
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.)
     if WITH_Q:
-        b_qs = tl.dot(tl.load(q + p_qk, mask=m_tk, other=0.), b_hc, b_qs,
-                      input_precision=DOT_PRECISION)
-    return b_ks, b_qs
+        b_qs = tl.dot(b_q, b_hc, b_qs, input_precision=DOT_PRECISION)
+    if WITH_QK:
+        b_qk = tl.dot(b_q, tl.trans(b_k), b_qk, input_precision=DOT_PRECISION)
+    return b_ks, b_qs, b_qk
 
 
-@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA"], default=_default, space=_space)
+@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA", "FORM_AQK"], default=_default,
+       space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
     q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
-    DELTA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DELTA: tl.constexpr, FORM_AQK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -97,7 +104,9 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     indexed by segment.
 
     ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
-    ``Ai, Aqk [B, T, H, 64]``. The state is ``K x W``: W = V, or with ``TRANSITION``
+    ``Ai, Aqk [B, T, H, 64]`` (with ``FORM_AQK``, simple GLA only, Aqk is not read:
+    each chunk's scores are formed here from the Q and K tiles that Q S loads anyway).
+    The state is ``K x W``: W = V, or with ``TRANSITION``
     W = K + V, starting from ``[I | 0]`` with values ``[0 | V]`` and no output; its final
     value ``[M | X]`` goes to ``ht [P, H, K, K + V]``.
     """
@@ -162,6 +171,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         if K > 3 * BK:
             b_h4 += tl.load(p_h0 + 3 * BK * W, mask=m_s4, other=0.).to(tl.float32)
 
+    for_out: tl.constexpr = not TRANSITION
+    form_qk: tl.constexpr = FORM_AQK and not TRANSITION
     for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
@@ -170,21 +181,22 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         # K S (and Q S for the output), one 64-row tile of the state at a time.
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
         b_qs = tl.zeros([BT, BV], dtype=tl.float32)
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_ks, b_qs = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, DELTA,
-                                      not TRANSITION, DOT_PRECISION)
+        b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, b_qk, DELTA,
+                                            for_out, form_qk, DOT_PRECISION)
         if K > BK:
             m_tk = m_t[:, None] & (BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs,
-                                          DELTA, not TRANSITION, DOT_PRECISION)
+            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs, b_qk,
+                                                DELTA, for_out, form_qk, DOT_PRECISION)
         if K > 2 * BK:
             m_tk = m_t[:, None] & (2 * BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks, b_qs,
-                                          DELTA, not TRANSITION, DOT_PRECISION)
+            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks, b_qs,
+                                                b_qk, DELTA, for_out, form_qk, DOT_PRECISION)
         if K > 3 * BK:
             m_tk = m_t[:, None] & (3 * BK + o_k < K)[None, :]
-            b_ks, b_qs = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks, b_qs,
-                                          DELTA, not TRANSITION, DOT_PRECISION)
+            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks, b_qs,
+                                                b_qk, DELTA, for_out, form_qk, DOT_PRECISION)
 
         p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
@@ -209,7 +221,15 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             b_vn = b_v
 
         if not TRANSITION:
-            b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
+            if FORM_AQK:
+                # Aqk = Q Kᵀ ⊙ Γ on and below the diagonal, Γ_ij = exp(γ_i − γ_j) ≤ 1
+                # there; the exponent is zeroed above it before exp, never overflowing.
+                m_causal = m_tt & (o_t[:, None] >= o_t[None, :])
+                if USE_G:
+                    b_qk *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], 0.))
+                b_aqk = tl.where(m_causal, b_qk, 0.).to(k.dtype.element_ty)
+            else:
+                b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
             b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs,
                          input_precision=DOT_PRECISION)
             tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty),
@@ -381,7 +401,7 @@ def chunk_gated_delta_rule_fwd_inter(
     g_cum: torch.Tensor | None,
     beta: torch.Tensor | None,
     Ai: torch.Tensor | None,
-    Aqk: torch.Tensor,
+    Aqk: torch.Tensor | None,
     scale: float,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -397,7 +417,8 @@ def chunk_gated_delta_rule_fwd_inter(
         g_cum: ``[B, T, H]`` float32 chunk-local cumulative decay γ, or None.
         beta: ``[B, T, H]``.
         Ai, Aqk: ``[B, T, H, 64]`` from :func:`chunk_gated_delta_rule_fwd_intra` (Ai and
-            beta None when ``Ai`` is: the simple GLA pass, Vn = V).
+            beta None: the simple GLA pass, Vn = V; then Aqk may be None too, and the
+            pass forms each chunk's scores itself, needing no intra-chunk kernel).
         scale: the output scale.
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the state after each sequence.
@@ -410,6 +431,9 @@ def chunk_gated_delta_rule_fwd_inter(
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype; ``final_state
         [N, H, K, V]`` float32 or None.
     """
+    if Aqk is None and Ai is not None:
+        raise ValueError("the delta rule's pass needs the intra-chunk Aqk (only simple GLA "
+                         "forms it in the pass)")
     B, T, H, K = k.shape
     V = v.shape[-1]
     if offsets is None:
@@ -422,7 +446,7 @@ def chunk_gated_delta_rule_fwd_inter(
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
                   BK=tile_width(K, 64), USE_G=g_cum is not None, IS_VARLEN=varlen,
-                  DELTA=Ai is not None,
+                  DELTA=Ai is not None, FORM_AQK=Aqk is None,
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:

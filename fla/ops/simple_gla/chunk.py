@@ -1,16 +1,17 @@
 """Chunked simple GLA (training and prefill): the shared chunk stages chained with autograd.
 
 Simple GLA is the gated delta rule without the delta: Vn = V, no (I + A)⁻¹ (ALGORITHMS.md
-§2). Its forward runs the two fused kernels of ``fla.ops.common`` with ``delta=False``:
+§2). Its forward is one pass over the chunks (``chunk_fwd_inter`` with ``delta=False``)
+after the chunk-local cumsum γ of the gate:
 
-    γ, Aqk = Q Kᵀ ⊙ Γ (causal)                            chunk_fwd_intra  (parallel)
-    O = scale(e^γ Q S + Aqk V), S' = e^{γ_C} S + K̃ᵀ V       chunk_fwd_inter  (sequential)
+    Aqk = Q Kᵀ ⊙ Γ (causal), O = scale(e^γ Q S + Aqk V), S' = e^{γ_C} S + K̃ᵀ V
 
-and its backward the staged gradient of the gated delta rule with W = 0: the states h
-are recomputed (``chunk_delta_h`` without W), then the reverse state pass
-(``chunk_delta_h_bwd`` without W, forming dV's in-chunk part scale·Aqkᵀ dO from the saved
-Aqk) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local
-cumsum of ∂L/∂γ.
+the scores formed per chunk from the Q and K tiles the pass loads for Q S. Its backward
+is the staged gradient of the gated delta rule with W = 0: the states h are recomputed
+(``chunk_delta_h`` without W), then the reverse state pass (``chunk_delta_h_bwd`` without
+W, forming Aqk again and dV's in-chunk part scale·Aqkᵀ dO) and dQ, dK, dγ
+(``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
+Above K = 128 the scores come from ``chunk_fwd_intra`` instead, stored for both passes.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs
 from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
-from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_fwd
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.utils import compile_ahead
 from fla.utils.custom_ops import present, stage_op, upstream_grads
@@ -33,12 +34,21 @@ from fla.utils.backend import Backend, select_backend
 __all__ = ["chunk_simple_gla"]
 
 CHUNK_SIZE = 64
+# Up to this K the passes form each chunk's 64 x 64 scores from their own Q and K tiles; at
+# K = 256 the state pass's four 64-row state tiles leave no registers for them, and the
+# intra-chunk kernel writes Aqk (64 values a token and head) for both passes.
+SCORES_IN_PASS_MAX_K = 128
 
 
 def _forward(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
              offsets):
-    g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
-        q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
+    if k.shape[-1] <= SCORES_IN_PASS_MAX_K:
+        Aqk = None
+        g_cum = None if g is None else chunk_local_cumsum_fwd(
+            g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, offsets=offsets)
+    else:
+        g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
+            q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
     o, final_state = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
         cu_seqlens=cu_seqlens, offsets=offsets)
@@ -54,7 +64,7 @@ def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do,
                                            **varlen)
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
                                                  None, scale, chunk_size=CHUNK_SIZE,
-                                                 Aqk=Aqk, **varlen)
+                                                 Aqk=Aqk, form_scores=Aqk is None, **varlen)
     dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
                                     chunk_size=CHUNK_SIZE, **varlen)
     if dg is not None:
@@ -64,8 +74,8 @@ def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do,
 
 
 # The forward and backward steps as custom ops joined by the autograd formula below; the
-# forward also returns γ and Aqk (64 values a token and head), which the reverse state
-# pass turns into dv_local without recomputing Q Kᵀ.
+# forward also returns γ and, above SCORES_IN_PASS_MAX_K, Aqk (an empty placeholder
+# below), which the reverse state pass turns into dv_local.
 _chunk_fwd = stage_op(
     "chunk_simple_gla_fwd", _forward, label="simple_gla.fwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? initial_state, float scale, "
@@ -73,7 +83,7 @@ _chunk_fwd = stage_op(
            "int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_simple_gla_bwd", _backward, label="simple_gla.bwd",
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor Aqk, Tensor? initial_state, "
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor? Aqk, Tensor? initial_state, "
            "Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, Tensor? dht, float scale, "
            "ScalarType? g_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
@@ -81,7 +91,8 @@ _chunk_bwd = stage_op(
 def _setup_context(ctx, inputs, output):
     q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices, _ = inputs
     _, _, g_cum, Aqk = output
-    ctx.save_for_backward(q, k, v, present(g_cum, g is not None), Aqk, initial_state,
+    ctx.save_for_backward(q, k, v, present(g_cum, g is not None),
+                          present(Aqk, k.shape[-1] > SCORES_IN_PASS_MAX_K), initial_state,
                           cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
@@ -103,7 +114,7 @@ def _backward_args(args, outputs):
     """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
     q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, chunk_indices, _ = args
     o, final_state, g_cum, Aqk = outputs
-    return (q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, torch.empty_like(o),
+    return (q, k, v, g_cum, present(Aqk, k.shape[-1] > SCORES_IN_PASS_MAX_K), initial_state, cu_seqlens, chunk_indices, torch.empty_like(o),
             final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
 
