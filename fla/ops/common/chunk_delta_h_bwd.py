@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.common.chunk_scores import chunk_causal_scores
 from fla.ops.utils.index import varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.ops.utils.index import prepare_chunk_offsets
@@ -73,13 +74,6 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
     return (b_q.to(tl.float32) * scale * tl.exp(b_g)).to(dt)
 
 
-@triton.jit
-def _add_scores(b_qk, q, p_q, m, b_k, DOT_PRECISION: tl.constexpr):
-    """b_qk + Q Kᵀ over one [BT, BK] channel tile (``b_k`` the K tile, Q read at ``p_q``)."""
-    return tl.dot(tl.load(q + p_q, mask=m, other=0.), tl.trans(b_k), b_qk,
-                  input_precision=DOT_PRECISION)
-
-
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
              "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "FORM_AQK"],
        default=_dhu_default, space=_dhu_space)
@@ -96,8 +90,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
 
-    ``FORM_AQK`` (scalar or no gate, no W): dv_local from Q Kᵀ ⊙ Γ formed per chunk from
-    the K tiles of dVn's state term and Q tiles loaded beside them.
+    ``FORM_AQK`` (scalar or no gate, no W): dv_local from Q Kᵀ ⊙ Γ formed per chunk
+    (``chunk_causal_scores``) instead of read from ``Aqk``.
 
     dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
     a K × BV block cannot be one tile for K up to 256 without spilling.
@@ -197,11 +191,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             if K > 3 * BK:
                 b_gl4 = tl.load(p_gl + o_k4, mask=m_k4, other=0.).to(tl.float32)
         b_dv2 = tl.zeros([BT, BV], dtype=tl.float32)
-        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_k = tl.load(k + k_rows + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.)
-        if FORM_AQK:
-            b_qk = _add_scores(b_qk, q, k_rows + o_k1[None, :], m_t[:, None] & m_k1[None, :],
-                               b_k, DOT_PRECISION)
         if USE_GK:
             # exp(γ_L − γ) = 1 / exp(γ − γ_L): passed as exp(−(γ − γ_L)) via the negated
             # reference, never as a quotient.
@@ -211,9 +201,6 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > BK:
             b_k = tl.load(k + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                           other=0.)
-            if FORM_AQK:
-                b_qk = _add_scores(b_qk, q, k_rows + o_k2[None, :],
-                                   m_t[:, None] & m_k2[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k2[None, :],
                                        m_t[:, None] & m_k2[None, :], b_gl2, dt)
@@ -221,9 +208,6 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > 2 * BK:
             b_k = tl.load(k + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                           other=0.)
-            if FORM_AQK:
-                b_qk = _add_scores(b_qk, q, k_rows + o_k3[None, :],
-                                   m_t[:, None] & m_k3[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k3[None, :],
                                        m_t[:, None] & m_k3[None, :], b_gl3, dt)
@@ -231,9 +215,6 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > 3 * BK:
             b_k = tl.load(k + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                           other=0.)
-            if FORM_AQK:
-                b_qk = _add_scores(b_qk, q, k_rows + o_k4[None, :],
-                                   m_t[:, None] & m_k4[None, :], b_k, DOT_PRECISION)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k4[None, :],
                                        m_t[:, None] & m_k4[None, :], b_gl4, dt)
@@ -244,13 +225,10 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
         if FORM_AQK:
-            # Aqk = Q Kᵀ ⊙ Γ on and below the diagonal (Γ_ij = exp(γ_i − γ_j) ≤ 1 there;
-            # the exponent zeroed above it first), rounded to dt as the forward used it.
-            o_c = tl.arange(0, BT)
-            m_causal = (m_t[:, None] & m_t[None, :]) & (o_c[:, None] >= o_c[None, :])
-            if USE_G:
-                b_qk *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], 0.))
-            b_a = tl.where(m_causal, b_qk, 0.).to(dt)
+            # The scores as the forward used them (rounded to dt).
+            b_a = chunk_causal_scores(q, k, rows * (H * K) + i_h * K, m_t,
+                                      b_g if USE_G else None, K, BK, BT, USE_G,
+                                      DOT_PRECISION).to(dt)
             b_dv2 += scale * tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
         elif LOCAL_FROM_AQK:
             # dv_local = scale·Aqkᵀ dO from the forward's causal scores: no separate kernel

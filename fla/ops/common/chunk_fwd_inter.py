@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.tiles import tile_width
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
@@ -222,12 +223,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 
         if not TRANSITION:
             if FORM_AQK:
-                # Aqk = Q Kᵀ ⊙ Γ on and below the diagonal, Γ_ij = exp(γ_i − γ_j) ≤ 1
-                # there; the exponent is zeroed above it before exp, never overflowing.
-                m_causal = m_tt & (o_t[:, None] >= o_t[None, :])
-                if USE_G:
-                    b_qk *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], 0.))
-                b_aqk = tl.where(m_causal, b_qk, 0.).to(k.dtype.element_ty)
+                b_aqk = gate_causal_scores(b_qk, m_t, b_g if USE_G else None, BT,
+                                           USE_G).to(k.dtype.element_ty)
             else:
                 b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
             b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs,
