@@ -11,6 +11,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fla.utils.triton_facts import INTERPRETER_BF16_CAST_TRUNCATES, is_interpreter
+
 # Relative-error bounds of the quality bar, by the dtype the fast path computed in.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3,
              torch.bfloat16: 5e-3}
@@ -59,6 +61,36 @@ def assert_sum_close(name, out, ref, ref_terms, tol):
     err = (out.double().cpu() - ref).abs()
     assert (err <= tol * scale).all(), \
         f"{name}: error {err.tolist()} > {tol} * {scale.tolist()} (‖ref‖ + the terms' size)"
+
+
+def bf16_cast_truncates(out: torch.Tensor) -> bool:
+    """Whether a Triton kernel wrote the bf16 ``out`` by truncating fp32 (round toward
+    zero): in the CPU interpreter, while ``INTERPRETER_BF16_CAST_TRUNCATES`` holds; the
+    GPU rounds to nearest."""
+    return (out.dtype == torch.bfloat16 and INTERPRETER_BF16_CAST_TRUNCATES
+            and is_interpreter() and out.device.type == "cpu")
+
+
+def assert_rounded_once(name: str, out: torch.Tensor, ref: torch.Tensor, slack=0.0) -> None:
+    """Each element of a 16-bit ``out`` that a kernel computed in fp32 and rounded once is
+    the float64 ``ref`` within half an ulp of ``out``'s dtype (one ulp for bf16 in the
+    interpreter, which truncates: :func:`bf16_cast_truncates`), plus ``slack`` (a number
+    or a tensor like ``ref``: what the fp32 arithmetic may lose before the rounding).
+    A relative norm bound would not do for a few elements: one element rounded to bf16
+    is up to 3.9e-3 off, truncated 7.8e-3 (norms of ~150 truncated elements reached
+    4.2e-3 of a 5e-3 bound)."""
+    ref = ref.detach().double().cpu()
+    slack = torch.as_tensor(slack, dtype=torch.float64).cpu()
+    info = torch.finfo(out.dtype)
+    # |ref| + slack = m * 2^e, m in [0.5, 1): the ulp of the binade the fp32 value may reach
+    # is eps * 2^(e-1); no less than the subnormal spacing (and that at ref = 0).
+    _, exponent = torch.frexp(ref.abs() + slack)
+    ulp = (info.eps * torch.exp2(exponent.double() - 1)).clamp_min(info.tiny * info.eps)
+    ulps = 1.0 if bf16_cast_truncates(out) else 0.5
+    err = (out.detach().double().cpu() - ref).abs()
+    bad = ~(err <= ulps * ulp + slack)  # NaN fails
+    assert not bad.any(), (f"{name}: {int(bad.sum())} elements beyond {ulps} ulp of "
+                           f"{out.dtype} (+ slack), worst error {err[bad].max().item():.3e}")
 
 
 def uneven_lengths(n: int, gen: torch.Generator, low: int = 1, high: int = 150,

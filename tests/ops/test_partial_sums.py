@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from fla.ops.utils.partial_sums import sum_partial_pair, sum_partials
-from fla.utils.triton_facts import INTERPRETER_BF16_CAST_TRUNCATES, is_interpreter
-from tests.helpers import TOLERANCE, assert_rel_close, generator, randn
+from tests.helpers import TOLERANCE, assert_rel_close, assert_rounded_once, generator, randn
 
 pytestmark = pytest.mark.interpret
 
@@ -24,24 +23,15 @@ def test_one_gradient(P, shape, dtype, device, seed):
     if dtype == torch.float32:
         assert_rel_close("sum", out, parts.double().sum(0), TOLERANCE[dtype])
     else:
-        assert_rounded_once(out, parts)
+        assert_sum_rounded_once(out, parts)
 
 
-def assert_rounded_once(out: torch.Tensor, parts: torch.Tensor) -> None:
+def assert_sum_rounded_once(out: torch.Tensor, parts: torch.Tensor) -> None:
     """Each element of a 16-bit ``out`` is the float64 sum of ``parts`` [P, ...] rounded
-    once: within half an ulp of ``out``'s dtype (one ulp for bf16 in the interpreter,
-    which truncates), plus what an fp32 sum of P terms may lose. A relative norm bound
-    would not do: one element rounded to bf16 is up to 3.9e-3 off, truncated 7.8e-3."""
-    ref = parts.double().sum(0).cpu()
-    truncates = (out.dtype == torch.bfloat16 and INTERPRETER_BF16_CAST_TRUNCATES
-                 and is_interpreter() and out.device.type == "cpu")
-    ulps = 1.0 if truncates else 0.5
-    _, exponent = torch.frexp(ref)  # |ref| = m * 2^e, m in [0.5, 1): one ulp is eps * 2^(e-1)
-    ulp = torch.finfo(out.dtype).eps * torch.exp2(exponent.double() - 1)
-    fp32_loss = parts.shape[0] * 2.0 ** -24 * parts.double().abs().sum(0).cpu()
-    err = (out.double().cpu() - ref).abs()
-    assert (err <= ulps * ulp + fp32_loss).all(), \
-        f"sum: error {err.max().item():.3e} beyond {ulps} ulp of {out.dtype}"
+    once (:func:`tests.helpers.assert_rounded_once`), plus what an fp32 sum of P terms
+    may lose."""
+    fp32_loss = parts.shape[0] * 2.0 ** -24 * parts.double().abs().sum(0)
+    assert_rounded_once("sum", out, parts.double().sum(0), fp32_loss)
 
 
 def test_two_gradients_of_different_widths(device, seed):
@@ -55,7 +45,7 @@ def test_two_gradients_of_different_widths(device, seed):
     dw, db = sum_partials(dw_part, weight, db_part, bias)
     assert (dw.shape, dw.dtype, db.shape, db.dtype) == ((D, W), torch.bfloat16, (D,),
                                                         torch.float32)
-    assert_rounded_once(dw, dw_part)
+    assert_sum_rounded_once(dw, dw_part)
     assert_rel_close("db", db, db_part.double().sum(0), TOLERANCE[torch.float32])
 
 
