@@ -17,6 +17,7 @@ from fla.ops.utils import (
 )
 from tests.helpers import (
     assert_rel_close,
+    assert_rounded_once,
     cu_seqlens_of,
     generator,
     l2_normalized,
@@ -194,7 +195,11 @@ def test_chunk_local_cumsum_output_dtype(device, seed, output_dtype):
     g = _gates((1, 77, 2), gen, torch.float16, device)
     out = chunk_local_cumsum(g, 32, output_dtype=output_dtype)
     assert out.dtype == (output_dtype or torch.float16)
-    assert_rel_close("o", out, ref_chunk_local_cumsum(g, 32), 5e-3)
+    # Each fp32 sum (of at most 32 terms) rounded once to the 16-bit output. (The relative
+    # bound 5e-3 this replaces was nearly all spent on bf16's rounding: 154 sums truncated
+    # by the interpreter reached 4.2e-3 over 10^5 seeds.)
+    fp32_loss = 32 * 2.0 ** -24 * ref_chunk_local_cumsum(g.abs(), 32)
+    assert_rounded_once("o", out, ref_chunk_local_cumsum(g, 32), fp32_loss)
 
 
 @pytest.mark.interpret
