@@ -106,9 +106,9 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
 
 
 def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
-    """The kernels of chunk_simple_gla, the op with its scores formed in the passes (the
-    default up to K = 128) and with them stored by the intra kernel
-    (``SCORES_IN_PASS_MAX_K = 0``), and the staged forward (state pass storing h, then
+    """The kernels of chunk_simple_gla, the op with its scores formed in the forward pass
+    (the default up to K = 128; kept for the backward) and with them stored by the intra
+    kernel (``SCORES_IN_PASS_MAX_K = 0``), and the staged forward (state pass storing h, then
     the parallel output stage) it could use instead of the fused one."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
@@ -132,13 +132,15 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
         st("fwd cumsum", lambda: chunk_local_cumsum(g, 64))
         st("fwd inter (scores in pass)", lambda: chunk_gated_delta_rule_fwd_inter(
             q, k, v, g_cum, None, None, None, scale))
+        scores = torch.empty_like(Aqk)
+        st("fwd inter (scores in pass, kept)", lambda: chunk_gated_delta_rule_fwd_inter(
+            q, k, v, g_cum, None, None, None, scale, scores_out=scores))
         h, _, _ = st("staged fwd_h", lambda: chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, save_new_value=False))
         st("staged fwd_o", lambda: chunk_fwd_o(q, k, v, h, g_cum, scale))
-        st("bwd dhu (dv_local from stored Aqk)", lambda: chunk_gated_delta_rule_bwd_dhu(
-            q, k, None, g_cum, None, None, do, None, scale, Aqk=Aqk))
-        dh, _, dv2 = st("bwd dhu (scores in pass)", lambda: chunk_gated_delta_rule_bwd_dhu(
-            q, k, None, g_cum, None, None, do, None, scale, form_scores=True))
+        dh, _, dv2 = st("bwd dhu (dv_local from stored Aqk)",
+                        lambda: chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, None, None,
+                                                               do, None, scale, Aqk=Aqk))
         st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv2, do, dh, scale))
     leaves = [t_.requires_grad_() for t_ in (q, k, v, g)]
 
@@ -168,6 +170,7 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
 
 def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
     """Median time of every config in the tuning space of the fused forward's kernels."""
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
     from fla.ops.common.chunk_fwd_inter import (
         chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
     from fla.ops.common.chunk_fwd_intra import (
@@ -179,6 +182,8 @@ def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
     out = {}
     with torch.no_grad():
         g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)
+        if not delta and k.shape[-1] <= simple_gla_chunk.SCORES_IN_PASS_MAX_K:
+            Aqk = None  # simple GLA's pass forms its scores itself there
         for kernel, call in (
                 (chunk_gated_delta_rule_fwd_intra_kernel,
                  lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)),
@@ -207,17 +212,21 @@ def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
                     return kernel.kernel[grid(launch) if callable(grid) else grid](**launch)
                 kernel.launch = forced
                 try:
-                    out[f"{kernel.name.split('.')[-1][:30]} {config}"] = bench(call, quick)
+                    out[f"{_short(kernel.name)} {config}"] = bench(call, quick)
                 except Exception as exc:  # noqa: BLE001
-                    out[f"{kernel.name.split('.')[-1][:30]} {config}"] = float("nan")
+                    out[f"{_short(kernel.name)} {config}"] = float("nan")
                     print(f"   {config}: {type(exc).__name__}: {str(exc)[:200]}")
                 finally:
                     kernel.launch = original
-        for chunks in (0, 8, 16, 32, 64):
+        for chunks in (0, 8, 16, 32, 48, 64, 96, 128):
             out[f"inter, default config, segments of {chunks} chunks"] = bench(
                 lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk, scale,
                                                          segment_chunks=chunks), quick)
     return out
+
+
+def _short(kernel_name: str) -> str:
+    return kernel_name.split(".")[-1].replace("chunk_gated_delta_rule_", "")
 
 
 def floor_ms(x) -> dict:

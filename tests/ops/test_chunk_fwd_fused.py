@@ -71,11 +71,11 @@ def run_intra(p, gated):
                                             chunk_indices=chunk_indices_of(p))
 
 
-def run_inter(p, gated, Ai, Aqk, h0=True, final=True, segment_chunks=None):
+def run_inter(p, gated, Ai, Aqk, h0=True, final=True, segment_chunks=None, scores_out=None):
     return chunk_gated_delta_rule_fwd_inter(
         p["q"], p["k"], p["v"], f32(p["gc"]) if gated else None, p["beta"], Ai, Aqk,
         p["scale"], p["h0"] if h0 else None, final, cu_seqlens=p["cu_seqlens"],
-        offsets=p["offsets"], segment_chunks=segment_chunks)
+        offsets=p["offsets"], segment_chunks=segment_chunks, scores_out=scores_out)
 
 
 @pytest.mark.interpret
@@ -156,7 +156,8 @@ def test_inter_split_into_segments(device, seed, dtype, case, segment_chunks):
 def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     """Without delta and without Aqk the pass forms Q Kᵀ ⊙ Γ itself: it gives the simple
     GLA recurrence's output and final state (also split into segments), and the output
-    of the pass fed the exact Aqk within one rounding of it."""
+    of the pass fed the exact Aqk within one rounding of it; asked to keep the scores,
+    it writes Q Kᵀ ⊙ Γ (zeros past each sequence's end) and the same output."""
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
     gen = generator(seed)
     if case == "T300_split":
@@ -168,8 +169,13 @@ def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     gc = p["gc"] if gated else None
     p = dict(p, beta=None)
     o, ht = run_inter(p, gated, None, None, segment_chunks=split)
-    o_fed, _ = run_inter(p, gated, None, ref_aqk(p["q"], p["k"], gc, p["offsets"]).to(dtype),
-                         segment_chunks=split)
+    aqk_ref = ref_aqk(p["q"], p["k"], gc, p["offsets"])
+    o_fed, _ = run_inter(p, gated, None, aqk_ref.to(dtype), segment_chunks=split)
+    # NaN-filled: every element of the kept scores must be written.
+    kept = torch.full_like(aqk_ref, float("nan"), dtype=dtype)
+    o_kept, _ = run_inter(p, gated, None, None, segment_chunks=split, scores_out=kept)
+    assert torch.equal(o_kept, o)
+    assert_rel_close("kept scores", kept, aqk_ref, tol(dtype))
     o_ref, ht_ref = naive_recurrent_simple_gla(
         p["q"].to(F64), p["k"].to(F64), p["v"].to(F64), p["g"].to(F64) if gated else None,
         scale=p["scale"], initial_state=p["h0"].to(F64), output_final_state=True,

@@ -118,6 +118,43 @@ def test_varlen_uneven_sequences(mode, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("varlen", [False, True])
+def test_scores_kept_only_for_a_backward(varlen, device, seed):
+    """The forward keeps the chunk scores only when a gradient will be needed; a backward
+    handed none (a forward run without gradients) forms the same scores again and gives
+    the same gradients bit for bit."""
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    from fla.ops.utils.index import prepare_chunk_indices
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=140) if varlen else [odd_length(gen, 65, 150)]
+    x = {n: None if t is None else t.to(torch.float32).to(device)
+         for n, t in make_inputs(gen, B=1, T=sum(lengths), H=2, HV=2, K=32, V=16,
+                                 N=len(lengths)).items()}
+    cu = cu_seqlens_of(lengths, device) if varlen else None
+    chunks = None if cu is None else prepare_chunk_indices(cu, 64)
+    offsets = None if cu is None else cu.tolist()
+    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], 0.25, True)
+    o0, ht0, _, none = simple_gla_chunk._forward(*args, False, cu, chunks, offsets)
+    o, ht, g_cum, Aqk = simple_gla_chunk._forward(*args, True, cu, chunks, offsets)
+    assert none is None and Aqk.shape == (*x["k"].shape[:3], 64)
+    assert torch.equal(o0, o) and torch.equal(ht0, ht)
+    do = randn(o.shape, gen, torch.float32).to(device)
+    dht = randn(ht.shape, gen, torch.float32).to(device)
+    bwd = (x["q"], x["k"], x["v"], g_cum)
+    rest = (x["initial_state"], cu, chunks, do, dht, 0.25, torch.float32)
+    kept = simple_gla_chunk._backward(*bwd, Aqk, *rest)
+    formed = simple_gla_chunk._backward(*bwd, None, *rest)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), kept, formed):
+        assert torch.equal(a, b), name
+    # Through the op: no input requires grad, so no scores are written.
+    with torch.no_grad():
+        o_ng, _ = chunk_simple_gla(x["q"], x["k"], x["v"], x["g"],
+                                   initial_state=x["initial_state"], scale=0.25,
+                                   cu_seqlens=cu)
+    assert torch.equal(o_ng, o)
+
+
+@pytest.mark.interpret
 def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
     """The split state pass (few long sequences on a large GPU), forced at every chunk."""
     from fla.ops.common import chunk_fwd_inter

@@ -22,8 +22,7 @@ state row and the query side may read its own cumulative gate γq (RWKV6: exclus
     dS  ← diag(exp(γ_L)) dS + scale·(Q ⊙ exp(γq))ᵀ dO
 
 ``dv_local`` = scale·(Q Kᵀ ⊙ Γ)ᵀ dO is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s
-output, or formed in the pass from the forward's saved scores (``Aqk``) or, without W
-and a vector gate (simple GLA), from the Q and K tiles the pass loads anyway. The gradient
+output, or formed in the pass from the forward's saved scores ``Aqk``. The gradient
 of ``initial_state`` is dS after the first chunk of each sequence.
 """
 from __future__ import annotations
@@ -32,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_scores import chunk_causal_scores
 from fla.ops.utils.index import varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.ops.utils.index import prepare_chunk_offsets
@@ -75,7 +73,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
 
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "FORM_AQK"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -86,12 +84,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
-    FORM_AQK: tl.constexpr = False,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
-
-    ``FORM_AQK`` (scalar or no gate, no W): dv_local from Q Kᵀ ⊙ Γ formed per chunk
-    (``chunk_causal_scores``) instead of read from ``Aqk``.
 
     dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
     a K × BV block cannot be one tile for K up to 256 without spilling.
@@ -224,13 +218,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         v_off = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + v_off, mask=m_tv, other=0.).to(dt)
-        if FORM_AQK:
-            # The scores as the forward used them (rounded to dt).
-            b_a = chunk_causal_scores(q, k, rows * (H * K) + i_h * K, m_t,
-                                      b_g if USE_G else None, K, BK, BT, USE_G,
-                                      DOT_PRECISION).to(dt)
-            b_dv2 += scale * tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
-        elif LOCAL_FROM_AQK:
+        if LOCAL_FROM_AQK:
             # dv_local = scale·Aqkᵀ dO from the forward's causal scores: no separate kernel
             # and no dv round trip through memory.
             o_c = tl.arange(0, BT)
@@ -352,7 +340,6 @@ def chunk_gated_delta_rule_bwd_dhu(
     Aqk: torch.Tensor | None = None,
     gq: torch.Tensor | None = None,
     gq_exclusive: bool = False,
-    form_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -366,7 +353,7 @@ def chunk_gated_delta_rule_bwd_dhu(
         dht: ``[N, H, K, V]`` gradient of the final state, or None (zero).
         do: ``[B, T, H, V]`` gradient of the output.
         dv: ``[B, T, H, V]`` intra-chunk gradient of Vn (``chunk_bwd_dv_local``), or None
-            with ``Aqk`` or ``form_scores``.
+            with ``Aqk``.
         scale: the output scale (default ``K ** -0.5``).
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_size: BT (64).
@@ -377,8 +364,6 @@ def chunk_gated_delta_rule_bwd_dhu(
             (RWKV6: exclusive, γ − w); None: γ itself.
         gq_exclusive: with a vector gate, the query side's gate is γ one token earlier
             (RWKV6's γ − w, read from g itself; ``gq`` is ignored).
-        form_scores: without W and a vector gate (simple GLA), form dv_local = scale·(Q Kᵀ
-            ⊙ Γ)ᵀ dO in the pass from Q and K (no ``dv``, no ``Aqk`` needed).
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -390,10 +375,6 @@ def chunk_gated_delta_rule_bwd_dhu(
         dv2 ``[B, T, H, V]`` in dv's (else do's) dtype, the full gradient of Vn (= ∂L/∂U).
     """
     check_kernel_device(q, k, w, g, do, dv, Aqk)
-    if form_scores and (w is not None or (g is not None and g.dim() == 4)
-                        or dv is not None or Aqk is not None):
-        raise ValueError("form_scores is for simple GLA's pass: no w, no vector gate, and "
-                         "neither dv nor Aqk")
     B, T, H, K = k.shape
     V = do.shape[-1]
     if K > 256:
@@ -431,6 +412,5 @@ def chunk_gated_delta_rule_bwd_dhu(
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
         **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else {}),
-        **(dict(FORM_AQK=True) if form_scores else {}),
     )
     return dh, dh0, dv2

@@ -52,6 +52,8 @@ def _default(args) -> Config:
     # Simple GLA (no delta: three dots a chunk, not eight): BV = 64 halves the programs'
     # repeated loads of Q, K and Aqk; same shape 0.51 ms against 0.78 at BV = 32 (1.19 at
     # one stage, 0.71 at three). Above K = 128 the space holds BV = 32 only.
+    if args.get("FORM_AQK"):
+        return Config(BV=64, num_warps=4, num_stages=2)
     width = 64 if not args["DELTA"] and args["K"] <= 128 else 32
     return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
 
@@ -62,6 +64,12 @@ def _space(args) -> list[Config]:
     # correctly at another shape), and at K = 256 so did BV = 64 at any warps; 3 stages
     # at K = 256 need more than the 227 KB of shared memory. One program per head (BV =
     # 128 on 8 warps) was 1-2% faster at K = 128 and spilled. 2 warps spilled: 1.2-4.4 ms.
+    if args.get("FORM_AQK"):
+        # The scores formed in the pass feed a dot as the A operand straight from another
+        # dot's accumulator. With BV = 32 that compiled wrong on H100 / Triton 3.6 (V = 64:
+        # relative error ~1 at 1 stage; V = 128: an illegal address); BV = 64 is right at
+        # every stage count (GPU config sweep), and is kept even for V < 64 (masked).
+        return [Config(BV=64, num_warps=4, num_stages=s) for s in (1, 2, 3)]
     if args["K"] > 128:
         return [Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=s)
                 for s in (1, 2)]
@@ -89,15 +97,16 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
     return b_ks, b_qs, b_qk
 
 
-@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA", "FORM_AQK"], default=_default,
-       space=_space)
+@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK"],
+       default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
     q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
-    DELTA: tl.constexpr, FORM_AQK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -106,7 +115,9 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 
     ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
     ``Ai, Aqk [B, T, H, 64]`` (with ``FORM_AQK``, simple GLA only, Aqk is not read:
-    each chunk's scores are formed here from the Q and K tiles that Q S loads anyway).
+    each chunk's scores are formed here from the Q and K tiles that Q S loads anyway;
+    with ``STORE_AQK`` too, the first V tile's program writes them to Aqk for the
+    backward).
     The state is ``K x W``: W = V, or with ``TRANSITION``
     W = K + V, starting from ``[I | 0]`` with values ``[0 | V]`` and no output; its final
     value ``[M | X]`` goes to ``ht [P, H, K, K + V]``.
@@ -225,6 +236,12 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             if FORM_AQK:
                 b_aqk = gate_causal_scores(b_qk, m_t, b_g if USE_G else None, BT,
                                            USE_G).to(k.dtype.element_ty)
+                if STORE_AQK:
+                    # Every V tile's program forms the same scores; one writes them
+                    # (all 64 columns of the valid rows, zeros past the end, as the
+                    # intra-chunk kernel's Aqk).
+                    if i_w == 0:
+                        tl.store(Aqk + p_tt, b_aqk, mask=m_t[:, None])
             else:
                 b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
             b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs,
@@ -405,6 +422,7 @@ def chunk_gated_delta_rule_fwd_inter(
     cu_seqlens: torch.Tensor | None = None,
     offsets: list[int] | None = None,
     segment_chunks: int | None = None,
+    scores_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
@@ -423,6 +441,9 @@ def chunk_gated_delta_rule_fwd_inter(
             ``offsets`` its host copy.
         segment_chunks: split sequences into segments of this many chunks (0: never;
             None: when the GPU would otherwise be underused).
+        scores_out: with Aqk None, a ``[B, T, H, 64]`` tensor in k's dtype that receives
+            the scores the pass forms (what ``chunk_fwd_intra`` would have written as
+            Aqk), for a backward; None: they are not kept.
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype; ``final_state
@@ -431,6 +452,8 @@ def chunk_gated_delta_rule_fwd_inter(
     if Aqk is None and Ai is not None:
         raise ValueError("the delta rule's pass needs the intra-chunk Aqk (only simple GLA "
                          "forms it in the pass)")
+    if scores_out is not None and Aqk is not None:
+        raise ValueError("scores_out is for a pass that forms its own scores (Aqk None)")
     B, T, H, K = k.shape
     V = v.shape[-1]
     if offsets is None:
@@ -440,16 +463,23 @@ def chunk_gated_delta_rule_fwd_inter(
     o = torch.empty_like(v)
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                    if output_final_state else None)
+    form_scores = Aqk is None
+    if scores_out is not None:
+        if scores_out.shape != (B, T, H, CHUNK) or scores_out.dtype != k.dtype:
+            raise ValueError(f"scores_out must be [B, T, H, {CHUNK}] in {k.dtype}, got "
+                             f"{list(scores_out.shape)} {scores_out.dtype}")
+        Aqk = scores_out
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
                   BK=tile_width(K, 64), USE_G=g_cum is not None, IS_VARLEN=varlen,
-                  DELTA=Ai is not None, FORM_AQK=Aqk is None,
+                  DELTA=Ai is not None, FORM_AQK=form_scores,
+                  STORE_AQK=form_scores and scores_out is not None,
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
         max_chunks = max(-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
-        programs = N * H * triton.cdiv(V, _default(dict(V=V, K=K, DELTA=Ai is not None))
-                                       .meta["BV"])
+        default = _default(dict(V=V, K=K, DELTA=Ai is not None, FORM_AQK=form_scores))
+        programs = N * H * triton.cdiv(V, default.meta["BV"])
         segment_chunks = segment_chunks_for(programs, max_chunks)
     if not segment_chunks:
         kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
