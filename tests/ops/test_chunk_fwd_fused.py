@@ -186,6 +186,37 @@ def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     assert_rel_close("o vs the pass fed Aqk", o, o_fed, tol(dtype))
 
 
+# The simple GLA pass at 2x16384x16x128 (H100, Triton 3.6, bf16; 2 sequences x 16 heads x
+# 2 V tiles of 64): ms per segment length (0: unsplit), 2026-11-25.
+MEASURED_SPLIT_MS = {0: 0.920, 8: 0.758, 16: 0.588, 32: 0.487, 48: 0.591, 64: 0.441,
+                     96: 0.602, 128: 0.640}
+
+
+def test_split_model_matches_the_measured_pass(monkeypatch):
+    """The segment split's launch model reproduces the pass timed on an H100 (within 12%
+    at every length, 5% but at 8 chunks), picks the measured best, and keeps the
+    measured no-split and split choices of the delta rule."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
+    shape = ([256, 256], 16, 2, 4, False, inter.PROGRAMS_PER_SM * 132)
+    step_ms = MEASURED_SPLIT_MS[0] / inter.split_time(0, *shape)  # one output chunk step
+    for length, ms in MEASURED_SPLIT_MS.items():
+        model = inter.split_time(length, *shape) * step_ms
+        assert abs(model / ms - 1) < (0.12 if length == 8 else 0.05), (length, model, ms)
+    assert inter.segment_chunks_for(*shape[:5]) == min(MEASURED_SPLIT_MS,
+                                                       key=MEASURED_SPLIT_MS.get)
+    # The delta rule: 32 programs over 1024 chunks split (3.74 ms unsplit, 1.38 at 64
+    # chunks); 128 programs over 256 chunks do not (a split measured 0.99 -> 1.27 ms).
+    split = inter.segment_chunks_for([1024], 8, 4, 8, True)
+    assert split and split % inter.MIN_SEGMENT_CHUNKS == 0
+    assert inter.split_time(split, [1024], 8, 4, 8, True, 264) < inter.split_time(
+        64, [1024], 8, 4, 8, True, 264) < inter.split_time(0, [1024], 8, 4, 8, True, 264)
+    assert inter.segment_chunks_for([256] * 8, 4, 4, 8, True) == 0
+    # A pass that fills a wave, or sequences too short to cut, is never split.
+    assert inter.segment_chunks_for([1024] * 4, 33, 2, 4, False) == 0
+    assert inter.segment_chunks_for([15], 1, 1, 2, False) == 0
+
+
 @pytest.mark.interpret
 def test_inter_without_initial_or_final_state(device, seed):
     p = problem("varlen", generator(seed), device, torch.float32)

@@ -158,7 +158,7 @@ def test_scores_kept_only_for_a_backward(varlen, device, seed):
 def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
     """The split state pass (few long sequences on a large GPU), forced at every chunk."""
     from fla.ops.common import chunk_fwd_inter
-    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda programs, chunks: 1)
+    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
     gen = generator(seed)
     lengths = uneven_lengths(2, gen, low=30, high=200)
     inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=16, V=32, N=2)

@@ -365,26 +365,54 @@ def chunk_state_combine_kernel(
                      V, BK, o_v, m_v, DOT_PRECISION)
 
 
-# Segments shorter than this many chunks cost more in transitions than they win.
+# Segment lengths are multiples of this many chunks.
 MIN_SEGMENT_CHUNKS = 8
+# The split's launch model. The pass and the combine compile to 4 warps at 255 registers
+# (sm_90, Triton 3.6, every variant), so two programs fit an SM, and a launch of n
+# programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk steps. In
+# units of an output program's chunk step (~3.6 µs on H100 at K = V = 128, with or without
+# the delta), a transition program's step costs TRANSITION_STEP, and each segment adds
+# COMBINE_STEP to its sequence's serial combine. Fitted on H100 to the simple GLA pass at
+# 2x16384x16x128 timed unsplit and at eight segment lengths (0.44-0.92 ms, within 5%
+# but 11% at 8 chunks; 64 chunks best, 48 and 96 a wave worse), and to the delta rule's
+# 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64 chunks) and 128 programs
+# over 256 chunks (splitting lost: 0.99 -> 1.27 ms).
+PROGRAMS_PER_SM = 2
+TRANSITION_STEP = {False: 0.33, True: 0.7}  # keyed by the delta
+COMBINE_STEP = 4.0
 _segment_tables: dict = {}
 
 
-def segment_chunks_for(programs: int, max_chunks: int) -> int:
-    """Chunks per segment for a pass of ``programs`` programs over sequences of at most
-    ``max_chunks`` chunks; 0 means no split.
+def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
+               transition_tiles: int, delta: bool, slots: int) -> float:
+    """The launch model's time of the pass (in output chunk steps) with segments of
+    ``length`` chunks (0: unsplit) on ``slots`` resident programs."""
+    def waves(programs: int) -> int:
+        return -(-programs // slots)
 
-    The transitions cost about as much again as the pass, so only a GPU left mostly idle
-    is worth it: on H100 (K = V = 128) 32 programs over 1024 chunks went from 3.74 ms to
-    1.38 with 64-chunk segments, while 128 programs over 256 chunks went from 0.99 ms
-    to 1.27. So split only below one program for every other SM, into pieces that give
-    about two programs an SM in the output pass.
+    longest = max(seq_chunks)
+    if not length:
+        return waves(len(seq_chunks) * heads * output_tiles) * longest
+    pieces = sum(-(-c // length) for c in seq_chunks)
+    steps = min(length, longest)
+    return ((waves(pieces * heads * transition_tiles) * TRANSITION_STEP[delta]
+             + waves(pieces * heads * output_tiles)) * steps
+            + COMBINE_STEP * -(-longest // length))
+
+
+def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
+                       transition_tiles: int, delta: bool) -> int:
+    """Chunks per segment for the pass over sequences of ``seq_chunks`` chunks each, with
+    ``output_tiles`` (``transition_tiles``) programs per head and segment in the output
+    (transition) launch; 0 means no split. The launch model above (:func:`split_time`)
+    picks the length; only a pass that fills less than one wave is considered for a split.
     """
-    sms = multiprocessor_count()
-    if 2 * programs >= sms or max_chunks < 2 * MIN_SEGMENT_CHUNKS:
+    slots = PROGRAMS_PER_SM * multiprocessor_count()
+    longest = max(seq_chunks)
+    if len(seq_chunks) * heads * output_tiles >= slots or longest < 2 * MIN_SEGMENT_CHUNKS:
         return 0
-    pieces = -(-2 * sms // programs)
-    return max(MIN_SEGMENT_CHUNKS, -(-max_chunks // pieces))
+    shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
+    return min(range(0, longest, MIN_SEGMENT_CHUNKS), key=lambda n: split_time(n, *shape))
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,10 +505,10 @@ def chunk_gated_delta_rule_fwd_inter(
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
-        max_chunks = max(-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
-        default = _default(dict(V=V, K=K, DELTA=Ai is not None, FORM_AQK=form_scores))
-        programs = N * H * triton.cdiv(V, default.meta["BV"])
-        segment_chunks = segment_chunks_for(programs, max_chunks)
+        seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+        bv = _default(dict(V=V, K=K, DELTA=Ai is not None, FORM_AQK=form_scores)).meta["BV"]
+        segment_chunks = segment_chunks_for(seq_chunks, H, triton.cdiv(V, bv),
+                                            triton.cdiv(K + V, bv), Ai is not None)
     if not segment_chunks:
         kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, segments=None,
