@@ -112,7 +112,10 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
     the parallel output stage) it could use instead of the fused one."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
-    from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+    from fla.ops.common.chunk_fwd_inter import (
+        MAX_K_FORMING_SCORES,
+        chunk_gated_delta_rule_fwd_inter,
+    )
     from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
@@ -130,11 +133,12 @@ def simple_gla_stage_times(x, quick: bool) -> tuple[dict, dict]:
         st("fwd inter (stored Aqk)", lambda: chunk_gated_delta_rule_fwd_inter(
             q, k, v, g_cum, None, None, Aqk, scale))
         st("fwd cumsum", lambda: chunk_local_cumsum(g, 64))
-        st("fwd inter (scores in pass)", lambda: chunk_gated_delta_rule_fwd_inter(
-            q, k, v, g_cum, None, None, None, scale))
-        scores = torch.empty_like(Aqk)
-        st("fwd inter (scores in pass, kept)", lambda: chunk_gated_delta_rule_fwd_inter(
-            q, k, v, g_cum, None, None, None, scale, scores_out=scores))
+        if k.shape[-1] <= MAX_K_FORMING_SCORES:
+            st("fwd inter (scores in pass)", lambda: chunk_gated_delta_rule_fwd_inter(
+                q, k, v, g_cum, None, None, None, scale))
+            scores = torch.empty_like(Aqk)
+            st("fwd inter (scores in pass, kept)", lambda: chunk_gated_delta_rule_fwd_inter(
+                q, k, v, g_cum, None, None, None, scale, scores_out=scores))
         h, _, _ = st("staged fwd_h", lambda: chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, save_new_value=False))
         st("staged fwd_o", lambda: chunk_fwd_o(q, k, v, h, g_cum, scale))
@@ -286,11 +290,12 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"copy_gbps": copy_gbps, "sweep": results}, f, indent=1)
         return 0
-    names = list(next(iter(results.values())).keys()) if results else []
+    names = list(dict.fromkeys(n for times in results.values() for n in times))
     print("\n| ms | " + " | ".join(results) + " |")
     print("| --- |" + " --- |" * len(results))
     for n in names:
-        print(f"| {n} | " + " | ".join(f"{results[s][n]:.3f}" for s in results) + " |")
+        cells = (f"{results[s][n]:.3f}" if n in results[s] else "" for s in results)
+        print(f"| {n} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy_gbps, "results": results}, f, indent=1)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import FLOAT_DTYPES, check_same_device, check_tensor
 
@@ -37,11 +38,11 @@ def _use_torch(x: torch.Tensor) -> bool:
 
 def _default(args) -> Config:
     # 1024 columns on 4 warps: 8 elements a thread, 16-byte vectors in 16-bit dtypes.
-    return Config(BC=min(1024, triton.next_power_of_2(args["C"])), num_warps=4, num_stages=1)
+    return Config(BC=min(1024, next_power_of_2(args["C"])), num_warps=4, num_stages=1)
 
 
 def _space(args) -> list[Config]:
-    widths = sorted({min(bc, triton.next_power_of_2(args["C"])) for bc in (512, 1024, 2048, 4096)})
+    widths = sorted({min(bc, next_power_of_2(args["C"])) for bc in (512, 1024, 2048, 4096)})
     return [Config(BC=bc, num_warps=w, num_stages=1) for bc in widths for w in (2, 4, 8)]
 
 
@@ -86,7 +87,7 @@ def _swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g2, u2 = _rows(g), _rows(u)
     R, C = g2.shape
     y = torch.empty(R, C, dtype=g.dtype, device=g.device)
-    swiglu_fwd_kernel[lambda meta: (R, triton.cdiv(C, meta["BC"]))](
+    swiglu_fwd_kernel[lambda meta: (R, cdiv(C, meta["BC"]))](
         g=g2, u=u2, y=y, s_g=g2.stride(0), s_u=u2.stride(0), C=C)
     return y.view(g.shape)
 
@@ -94,7 +95,7 @@ def _swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _swiglu_bwd_into(g, u, dy, dg, du) -> None:
     g2, u2, dy2 = _rows(g), _rows(u), _rows(dy).contiguous()
     R, C = g2.shape
-    swiglu_bwd_kernel[lambda meta: (R, triton.cdiv(C, meta["BC"]))](
+    swiglu_bwd_kernel[lambda meta: (R, cdiv(C, meta["BC"]))](
         g=g2, u=u2, dy=dy2, dg=dg, du=du, s_g=g2.stride(0), s_u=u2.stride(0),
         s_dg=dg.stride(0), s_du=du.stride(0), C=C)
 

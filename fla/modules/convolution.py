@@ -37,7 +37,14 @@ import triton.language as tl
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import decode_op, outside_graph, present, stage_op, upstream_grads
+from fla.utils.custom_ops import (
+    decode_op,
+    outside_graph,
+    present,
+    stage_op,
+    upstream_grads,
+)
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -68,7 +75,7 @@ def _default(args, num_warps: int = 4) -> Config:
     # Triton 3.6) it was the fastest forward (120-134 us, 2.0-2.2 TB/s) of BD in
     # {16, ..., 256} × warps in {1, 2, 4, 8}, although ptxas spills a few hundred bytes
     # with a cache (the W shifted x and cache tiles are all in flight at once).
-    return Config(BD=min(64, triton.next_power_of_2(args["D"])), num_warps=num_warps,
+    return Config(BD=min(64, next_power_of_2(args["D"])), num_warps=num_warps,
                   num_stages=1)
 
 
@@ -80,7 +87,7 @@ def _default_dw(args) -> Config:
 
 
 def _space(args) -> list[Config]:
-    widths = sorted({min(bd, triton.next_power_of_2(args["D"])) for bd in (16, 32, 64, 128, 256)})
+    widths = sorted({min(bd, next_power_of_2(args["D"])) for bd in (16, 32, 64, 128, 256)})
     return [Config(BD=bd, num_warps=w, num_stages=1) for bd in widths for w in (1, 2, 4, 8)]
 
 
@@ -243,11 +250,11 @@ def causal_conv1d_bwd_dx_kernel(
 
 
 def _step_default(args) -> Config:
-    return Config(BD=min(256, triton.next_power_of_2(args["D"])), num_warps=4, num_stages=1)
+    return Config(BD=min(256, next_power_of_2(args["D"])), num_warps=4, num_stages=1)
 
 
 def _step_space(args) -> list[Config]:
-    widths = sorted({min(bd, triton.next_power_of_2(args["D"])) for bd in (64, 128, 256, 512)})
+    widths = sorted({min(bd, next_power_of_2(args["D"])) for bd in (64, 128, 256, 512)})
     return [Config(BD=bd, num_warps=w, num_stages=1) for bd in widths for w in (1, 2, 4)]
 
 
@@ -286,7 +293,7 @@ def causal_conv1d_update_kernel(
 def _grid(B: int, T: int, chunk_indices) -> tuple[int, int]:
     """(chunks per row, rows) of a launch: every chunk of the packed row under varlen."""
     if chunk_indices is None:
-        return triton.cdiv(T, CONV_BT), B
+        return cdiv(T, CONV_BT), B
     return chunk_indices.shape[0], 1
 
 
@@ -300,9 +307,9 @@ def _conv_fwd_triton(x, weight, bias, h0, output_final_state, activation, cu_seq
     NT, rows = _grid(B, T, chunk_indices)
     y = torch.empty_like(x)
     ht = x.new_empty(N, D, W) if output_final_state else None
-    causal_conv1d_fwd_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
+    causal_conv1d_fwd_kernel[lambda meta: (NT * cdiv(D, meta["BD"]), rows)](
         x=x, w=weight, b=bias, h0=h0, y=y, ht=ht, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, T=T, D=D, W=W, BT=CONV_BT, BW=triton.next_power_of_2(W),
+        chunk_indices=chunk_indices, T=T, D=D, W=W, BT=CONV_BT, BW=next_power_of_2(W),
         ACTIVATION=activation is not None, HAS_BIAS=bias is not None, HAS_H0=h0 is not None,
         STORE_FINAL=output_final_state, IS_VARLEN=chunk_indices is not None,
     )
@@ -324,16 +331,16 @@ def _conv_bwd_triton(x, weight, bias, h0, dy, dht, activation, cu_seqlens, chunk
     dw = torch.empty(rows * NT, D, W, dtype=torch.float32, device=x.device)
     db = (torch.empty(rows * NT, D, dtype=torch.float32, device=x.device)
           if bias is not None else None)
-    causal_conv1d_bwd_dw_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
+    causal_conv1d_bwd_dw_kernel[lambda meta: (NT * cdiv(D, meta["BD"]), rows)](
         x=x, w=weight, b=bias, h0=h0, dy=dy, dz=dz, dw=dw, db=db, T=T, D=D, W=W, BT=CONV_BT,
         ACTIVATION=activation is not None, HAS_BIAS=bias is not None, HAS_H0=h0 is not None,
         **varlen,
     )
     dx = torch.empty_like(x)
     dh0 = torch.empty(N, D, W, dtype=torch.float32, device=x.device) if need_dh0 else None
-    causal_conv1d_bwd_dx_kernel[lambda meta: (NT * triton.cdiv(D, meta["BD"]), rows)](
+    causal_conv1d_bwd_dx_kernel[lambda meta: (NT * cdiv(D, meta["BD"]), rows)](
         w=weight, dz=dz, dht=dht, dx=dx, dh0=dh0, T=T, D=D, W=W, BT=CONV_BT,
-        BW=triton.next_power_of_2(W), HAS_DHT=dht is not None, STORE_DH0=need_dh0, **varlen,
+        BW=next_power_of_2(W), HAS_DHT=dht is not None, STORE_DH0=need_dh0, **varlen,
     )
     dw, db = sum_partial_pair(dw, weight, db, bias)
     dh0 = dh0.to(h0.dtype) if need_dh0 else None
@@ -346,9 +353,9 @@ def _conv_update_triton(x, cache, weight, bias, activation) -> torch.Tensor:
     N, D = x.shape
     W = weight.shape[1]
     y = torch.empty_like(x)
-    causal_conv1d_update_kernel[lambda meta: (triton.cdiv(D, meta["BD"]), N)](
+    causal_conv1d_update_kernel[lambda meta: (cdiv(D, meta["BD"]), N)](
         x=x, w=weight, b=bias, cache=cache, y=y, s_n=cache.stride(0), s_d=cache.stride(1),
-        s_w=cache.stride(2), D=D, W=W, BW=triton.next_power_of_2(W),
+        s_w=cache.stride(2), D=D, W=W, BW=next_power_of_2(W),
         ACTIVATION=activation is not None, HAS_BIAS=bias is not None,
     )
     return y

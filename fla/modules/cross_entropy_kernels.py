@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_fwd_kernel",
@@ -33,7 +34,7 @@ def _block_v(V: int, dtype: torch.dtype) -> int:
     # which keeps an H100's HBM busy with a few rows resident per SM; larger blocks
     # only add registers. A short row takes one block (a power of two >= V).
     cap = 2048 if dtype == torch.float32 else 4096
-    return max(16, min(cap, triton.next_power_of_2(V)))
+    return max(16, min(cap, next_power_of_2(V)))
 
 
 def _default(args) -> Config:
@@ -42,7 +43,7 @@ def _default(args) -> Config:
 
 
 def _space(args) -> list[Config]:
-    full = triton.next_power_of_2(args["V"])
+    full = next_power_of_2(args["V"])
     widths = sorted({max(16, min(full, bv)) for bv in (1024, 2048, 4096, 8192, 16384)})
     return [Config(BV=bv, num_warps=w, num_stages=2) for bv in widths for w in (4, 8, 16)]
 

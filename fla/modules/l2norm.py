@@ -24,6 +24,7 @@ from fla.modules.layernorm import check_eps
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
+from fla.utils.grid import cdiv
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import FLOAT_DTYPES, check_tensor
 
@@ -160,7 +161,7 @@ def token_rows(x: torch.Tensor) -> tuple[int, int] | None:
 
 def _launch_rows(kernel, N: int, D: int, **args) -> None:
     BLOCK, NCHUNK = rows.row_layout(D)
-    kernel[lambda meta: (-(-N // meta["BR"]),)](N=N, D=D, BLOCK=BLOCK, NCHUNK=NCHUNK, **args)
+    kernel[lambda meta: (cdiv(N, meta["BR"]),)](N=N, D=D, BLOCK=BLOCK, NCHUNK=NCHUNK, **args)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.partial_sums import sum_partial_pair
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.triton_facts import multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
@@ -447,24 +448,14 @@ def norm_bwd_stats_kernel(
 
 
 # -------------------------------------------------------------------------- launchers
-def _cdiv(a: int, b: int) -> int:
-    # Host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr
-    # functions on recent releases, microseconds per call on every launch.
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def row_layout(D: int, limit: int | None = None) -> tuple[int, int]:
     """(BLOCK, NCHUNK) for segments of D elements: one power-of-two block holding the
     whole segment, or (wider than ``limit``, default ``MAX_SINGLE_PASS_D``) NCHUNK
     chunks of BLOCK."""
     if D <= (MAX_SINGLE_PASS_D if limit is None else limit):
-        return _next_power_of_2(D), 1
-    block = min(MULTI_PASS_BLOCK, _next_power_of_2(D))
-    return block, _cdiv(D, block)
+        return next_power_of_2(D), 1
+    block = min(MULTI_PASS_BLOCK, next_power_of_2(D))
+    return block, cdiv(D, block)
 
 
 def _backward_programs(N: int, groups_and_chunks: int, device: torch.device) -> int:
@@ -472,7 +463,7 @@ def _backward_programs(N: int, groups_and_chunks: int, device: torch.device) -> 
     the prefetching loop, 2 beat 3 and 4 at D = 128 to 8192; more programs also grow
     the [P, G·D] partials), never more programs than rows."""
     sms = multiprocessor_count(device.index or 0) if device.type == "cuda" else 1
-    return max(1, min(N, _cdiv(2 * sms, groups_and_chunks)))
+    return max(1, min(N, cdiv(2 * sms, groups_and_chunks)))
 
 
 def _check_contiguous(*tensors: torch.Tensor | None) -> None:
@@ -513,7 +504,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         norm_fwd_stats_kernel[(R,)](
             x=x, residual=residual, mean=mean, rstd=rstd, eps=eps, D=D, BLOCK=BLOCK,
             NCHUNK=NCHUNK, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None)
-    norm_fwd_kernel[lambda meta: (_cdiv(R, meta["BR"]) * NCHUNK,)](
+    norm_fwd_kernel[lambda meta: (cdiv(R, meta["BR"]) * NCHUNK,)](
         x=x, residual=residual, weight=weight, bias=bias, g=g, y=y, residual_out=residual_out,
         mean=mean, rstd=rstd, eps=eps, R=R, D=D, G=G, BLOCK=BLOCK, NCHUNK=NCHUNK,
         IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,

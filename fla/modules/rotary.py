@@ -28,6 +28,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_sequence_chunk, varlen_chunk_indices
 from fla.utils.backend import Backend, select_backend
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     INDEX_DTYPES,
@@ -152,15 +153,15 @@ def _rotary_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, ROTARY_BT)
+        NT = cdiv(T, ROTARY_BT)
     # One flat axis (up to 2³¹ − 1 programs): axes 1 and 2 stop at 65535.
-    rotary_embedding_kernel[lambda meta: (NT * B * triton.cdiv(H, meta["HB"]),)](
+    rotary_embedding_kernel[lambda meta: (NT * B * cdiv(H, meta["HB"]),)](
         x=x, y=y, cos=cos, sin=sin, offsets=offsets, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, B=1 if cu_seqlens is not None else B, T=T, H=H,
         offset=offset, L=L,
         sx_t=x.stride(1), sx_h=x.stride(2), D=D, R=R, BT=ROTARY_BT,
-        BR=triton.next_power_of_2(R),
-        BP=0 if 2 * R == D else triton.next_power_of_2(D - 2 * R),
+        BR=next_power_of_2(R),
+        BP=0 if 2 * R == D else next_power_of_2(D - 2 * R),
         INTERLEAVED=interleaved, PER_TOKEN=per_token, HAS_OFFSETS=offsets is not None,
         IS_VARLEN=cu_seqlens is not None, CONJUGATE=conjugate,
     )
@@ -417,7 +418,7 @@ class RotaryEmbedding(nn.Module):
         cached = self._tables.get(device)
         if cached is None or cached[0].shape[0] < length:
             # A power of two: decoding one token at a time regrows log(T) times, not T.
-            size = triton.next_power_of_2(max(int(length), 16))
+            size = next_power_of_2(max(int(length), 16))
             cached = self._angles(torch.arange(size, device=device))
             self._tables[device] = cached
         return cached

@@ -216,6 +216,7 @@ def run(label: str, step: Callable, *args: Any) -> Any:
         outputs = _record(step, args, recorder)
         follower = _followers.get(label)
         # Only a step whose inputs carry gradients will be followed by its backward.
+        # (Not torch.is_grad_enabled(): a custom op's forward runs with grad mode off.)
         wants_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         if follower is not None and outputs is not None and wants_grad:
             _, next_step, args_of = follower

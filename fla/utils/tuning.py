@@ -30,7 +30,9 @@ Usage::
     def my_kernel(q, k, v, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, ...):
         ...
 
-    my_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](q, k, v, T, K=K, V=V)
+    my_kernel[lambda meta: (cdiv(V, meta["BV"]), N * H)](q, k, v, T, K=K, V=V)
+
+(``cdiv`` from :mod:`fla.utils.grid`: host arithmetic in plain Python.)
 
 The config's meta-parameters (``BK`` ...) are supplied by the layer; the caller passes
 everything else. Sequence length must never be a key (a new length must not re-tune).

@@ -151,7 +151,7 @@ def test_inter_split_into_segments(device, seed, dtype, case, segment_chunks):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(CASES) + ["T300_split"])
+@pytest.mark.parametrize("case", list(CASES) + ["T300_split", "wide", "wide_varlen_split"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     """Without delta and without Aqk the pass forms Q Kᵀ ⊙ Γ itself: it gives the simple
@@ -163,6 +163,14 @@ def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     if case == "T300_split":
         p = make_problem(gen, device, B=1, T=300, H=2, K=48, V=32, dtype=dtype)
         split = 2
+    elif case.startswith("wide"):
+        # Two 64-row state tiles (K = 96) and three 64-wide V tiles, only one of which
+        # may write the kept scores; with varlen, also cut into one-chunk segments.
+        varlen = case == "wide_varlen_split"
+        lengths = uneven_lengths(3, gen, low=1, high=200) if varlen else None
+        p = make_problem(gen, device, B=1, T=150, H=1, K=96, V=160, dtype=dtype,
+                         lengths=lengths)
+        split = 1 if varlen else 0
     else:
         p = problem(case, gen, device, dtype)
         split = 0
@@ -184,6 +192,24 @@ def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
     assert_rel_close("o", o, o_ref, tol(dtype))
     assert_rel_close("final_state", ht, ht_ref, tol(dtype))
     assert_rel_close("o vs the pass fed Aqk", o, o_fed, tol(dtype))
+
+
+@pytest.mark.interpret
+def test_pass_refuses_what_it_cannot_form_or_keep(device, seed):
+    """No scores formed in the pass above K = 128 (no registers for them there), and a
+    scores buffer of the wrong shape, dtype or layout is refused before any launch."""
+    gen = generator(seed)
+    wide = make_problem(gen, device, B=1, T=70, H=1, K=160, V=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="K <= 128"):
+        run_inter(dict(wide, beta=None), True, None, None)
+    p = dict(make_problem(gen, device, B=1, T=70, H=1, K=32, V=16, dtype=torch.float32),
+             beta=None)
+    good = torch.empty(1, 70, 1, 64, device=device)
+    for bad in (good[:, :69], good.half(), torch.empty(1, 70, 1, 128, device=device)[..., ::2]):
+        with pytest.raises(ValueError, match="scores_out"):
+            run_inter(p, True, None, None, scores_out=bad)
+    with pytest.raises(ValueError, match="scores_out is for a pass"):
+        run_inter(p, True, None, good, scores_out=good)
 
 
 # The simple GLA pass at 2x16384x16x128 (H100, Triton 3.6, bf16; 2 sequences x 16 heads x

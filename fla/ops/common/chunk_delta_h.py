@@ -21,6 +21,7 @@ from fla.ops.utils.index import varlen_chunk_offsets
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -287,12 +288,12 @@ def chunk_gated_delta_rule_fwd_h(
             NT = sum(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
         else:
             chunk_offsets = None
-            NT = triton.cdiv(T, BT)
+            NT = cdiv(T, BT)
         h = torch.empty(B, NT, H, K, V, dtype=k.dtype, device=k.device)
         v_new = torch.empty_like(u) if save_new_value else None
         final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                        if output_final_state else None)
-        chunk_gated_delta_rule_fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+        chunk_gated_delta_rule_fwd_h_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             k=k, w=w, u=u, g=g, h=h, v_new=v_new, h0=h0, ht=final_state,
             cu_seqlens=cu_seqlens if offsets is not None else None,
             chunk_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=BT,

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import varlen_chunk_indices
+from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
-from fla.ops.utils.index import prepare_chunk_offsets
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -358,7 +358,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_size: BT (64).
         chunk_indices: ``[NT, 2]`` rows for ``cu_seqlens`` (built here when None).
-        Aqk: ``[B, T, H, BT]`` the forward's causal gated scores (``chunk_fwd_intra``);
+        Aqk: ``[B, T, H, BT]`` the forward's causal gated scores (``chunk_fwd_intra``'s,
+            or those the simple GLA forward pass wrote to its ``scores_out``);
             given, the pass computes dv_local = scale·Aqkᵀ dO itself and ``dv`` is unused.
         gq: with a vector gate, the query side's cumulative gate ``[B, T, H, K]`` fp32
             (RWKV6: exclusive, γ − w); None: γ itself.
@@ -393,7 +394,7 @@ def chunk_gated_delta_rule_bwd_dhu(
         N, NT = cu_seqlens.numel() - 1, chunk_indices.shape[0]
     else:
         chunk_offsets = None
-        N, NT = B, triton.cdiv(T, BT)
+        N, NT = B, cdiv(T, BT)
     if dht is not None:
         dht = dht.contiguous()
     dh = k.new_empty(B, NT, H, K, V)
@@ -402,7 +403,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     BK = tile_width(K, 64)
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), N * H)
+        return (cdiv(V, meta["BV"]), N * H)
 
     chunk_gated_delta_rule_bwd_dhu_kernel[grid](
         q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,

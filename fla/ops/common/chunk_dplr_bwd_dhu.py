@@ -26,6 +26,7 @@ from fla.ops.common.chunk_dplr_fwd_h import (
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
 
 __all__ = ["chunk_dplr_bwd_dhu"]
@@ -113,7 +114,7 @@ def chunk_dplr_bwd_dhu(q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, scale, v_dtyp
     dz = torch.empty(B, T, H, V, **f32)
     dv = torch.empty(B, T, H, V, dtype=v_dtype, device=q.device)
     dh0 = torch.empty(N, H, K, V, **f32) if need_dh0 else None
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
+    grid = lambda meta: (cdiv(V, meta["BV"]), N * H)  # noqa: E731
     chunk_dplr_bwd_dhu_kernel[grid](
         q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, dh, dz, dv, dh0, cu_seqlens,
         chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),

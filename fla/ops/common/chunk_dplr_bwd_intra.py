@@ -37,6 +37,7 @@ from fla.ops.common.chunk_dplr_fwd_intra import (
 )
 from fla.ops.utils.index import locate_sequence_chunk, prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_bwd_intra"]
@@ -206,10 +207,10 @@ def chunk_dplr_bwd_intra(q, k, a, b, gk, dA, grads, off, out, cu_seqlens=None,
     ``off [NT_total, H, K]`` (see :mod:`fla.ops.common.chunk_dplr_bwd_local`), write
     ``out = (dq, dk, da, db, dgk)`` (allocated by the caller in the final dtypes)."""
     B, T, H, K = q.shape
-    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     chunk_offsets = (None if cu_seqlens is None else
                      prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets))
-    chunk_dplr_bwd_intra_kernel[lambda meta: (NT, B * H, triton.cdiv(K, meta["BK"]))](
+    chunk_dplr_bwd_intra_kernel[lambda meta: (NT, B * H, cdiv(K, meta["BK"]))](
         q, k, a, b, gk, *dA, *grads, off, *out, cu_seqlens, chunk_indices, chunk_offsets, T,
         H=H, K=K, BT=chunk_size, HALF=HALF, IS_VARLEN=cu_seqlens is not None,
         **dot_args(q.dtype, wide=True))

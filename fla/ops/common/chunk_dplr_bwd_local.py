@@ -29,6 +29,7 @@ from fla.ops.common.chunk_dplr_fwd_h import chunk_gates, chunk_tokens
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import locate_sequence_chunk
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_bwd_local"]
@@ -151,7 +152,7 @@ def chunk_dplr_bwd_local(q, k, v, a, b, gk, h, dh, u, dz, do, scale, cu_seqlens=
     from fla.ops.utils.index import prepare_chunk_offsets
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     NT_total = h.shape[0] if NT_total is None else NT_total
     chunk_offsets = (None if cu_seqlens is None else
                      prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets))

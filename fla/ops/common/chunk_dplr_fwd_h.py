@@ -22,6 +22,7 @@ import triton.language as tl
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_fwd_h", "chunk_tokens"]
@@ -54,7 +55,7 @@ def state_pass_default(args) -> Config:
 
 
 def state_pass_space(args) -> list[Config]:
-    BK, Vp = tile_width(args["K"], 256), triton.next_power_of_2(args["V"])
+    BK, Vp = tile_width(args["K"], 256), next_power_of_2(args["V"])
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
             if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
 
@@ -144,7 +145,7 @@ def chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale, initial_state,
     N = (B if cu_seqlens is None else cu_seqlens.numel() - 1) if N is None else N
     if cu_seqlens is None:
         chunk_offsets = None
-        NT_total = B * triton.cdiv(T, chunk_size)
+        NT_total = B * cdiv(T, chunk_size)
     else:
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
         NT_total = int(sum(-(-(e - s) // chunk_size) for s, e in zip(offsets[:-1], offsets[1:]))) \
@@ -154,7 +155,7 @@ def chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale, initial_state,
     ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
     h = torch.empty(NT_total, H, K, V, **f32) if save else None
     u = torch.empty(B, T, H, V, **f32) if save else None
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
+    grid = lambda meta: (cdiv(V, meta["BV"]), N * H)  # noqa: E731
     chunk_dplr_fwd_h_kernel[grid](
         q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, o, h, u, initial_state, ht, cu_seqlens,
         chunk_offsets, scale, T, H=H, K=K, V=V, BT=chunk_size, BK=tile_width(K, 256),

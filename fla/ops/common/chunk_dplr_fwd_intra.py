@@ -34,6 +34,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, prepare_chunk_indices
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -215,7 +216,7 @@ def chunk_dplr_fwd_intra(q, k, a, b, gk, cu_seqlens=None, chunk_indices=None):
     B, T, H, K = q.shape
     if cu_seqlens is not None and chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     out = [torch.empty(B, T, H, CHUNK_SIZE, dtype=torch.float32, device=q.device)
            for _ in range(4)]
     chunk_dplr_fwd_intra_kernel[(2 * NT, B * H)](

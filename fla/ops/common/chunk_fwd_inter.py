@@ -4,13 +4,13 @@ computed on the way (gated delta rule, ALGORITHMS.md §1, chunked form; with
 
 For each chunk in order, with S the state entering it, γ the chunk-local cumulative
 decay (γ_C at the chunk's last valid token) and ``Ai``, ``Aqk`` from
-``chunk_fwd_intra``:
+``chunk_fwd_intra`` (simple GLA up to K = 128 forms Aqk here instead, see below):
 
     Vn = Ai · β ⊙ (V − e^γ ⊙ K S)          (= U − W S of the WY form, never stored)
     O  = scale · ( e^γ ⊙ Q S + Aqk Vn )
     S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ Vn
 
-Reading Q, K, V once and writing O once (plus the 64-wide Ai and Aqk rows) is all the
+Reading Q, K, V once and writing O once (plus reading the 64-wide Ai and Aqk rows) is all the
 memory traffic the pass needs: the per-chunk states h, the new values Vn and the WY
 factors W, U stay in registers. The backward recomputes what it needs from the saved
 Ai.
@@ -19,6 +19,13 @@ One program per (V tile, head, sequence) walks the sequence's chunks; the K x BV
 state lives in up to four 64-row register tiles (K ≤ 256). Programs of one head's V
 tiles are adjacent in the grid, so they run together and share Q, K, Ai and Aqk through
 the L2 cache.
+
+Simple GLA (no delta) with K ≤ 128 may pass no Aqk (``FORM_AQK``): the pass then
+accumulates each chunk's Q Kᵀ beside Q S over the same tiles and gates it itself
+(``fla/ops/common/chunk_scores.py``), with no intra-chunk kernel before it; asked to,
+it writes those scores out for a backward (``STORE_AQK``). At K = 256 the state's four
+register tiles leave no room for the 64 x 64 scores (H100: 2.07 ms against 1.66 reading
+them), so there the scores must be given.
 
 Few long sequences (one serving a 64K-token prompt over 8 heads is 32 programs on a
 132-SM GPU) are split into segments of chunks. Over a segment the state update is
@@ -36,12 +43,15 @@ import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
-__all__ = ["chunk_gated_delta_rule_fwd_inter"]
+__all__ = ["chunk_gated_delta_rule_fwd_inter", "MAX_K_FORMING_SCORES"]
 
 CHUNK = 64  # the chunk size of chunk_fwd_intra's Ai and Aqk
+# The largest K at which the pass can form the chunk scores itself (FORM_AQK).
+MAX_K_FORMING_SCORES = 128
 
 
 def _default(args) -> Config:
@@ -52,7 +62,7 @@ def _default(args) -> Config:
     # Simple GLA (no delta: three dots a chunk, not eight): BV = 64 halves the programs'
     # repeated loads of Q, K and Aqk; same shape 0.51 ms against 0.78 at BV = 32 (1.19 at
     # one stage, 0.71 at three). Above K = 128 the space holds BV = 32 only.
-    if args.get("FORM_AQK"):
+    if args["FORM_AQK"]:
         return Config(BV=64, num_warps=4, num_stages=2)
     width = 64 if not args["DELTA"] and args["K"] <= 128 else 32
     return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
@@ -64,7 +74,7 @@ def _space(args) -> list[Config]:
     # correctly at another shape), and at K = 256 so did BV = 64 at any warps; 3 stages
     # at K = 256 need more than the 227 KB of shared memory. One program per head (BV =
     # 128 on 8 warps) was 1-2% faster at K = 128 and spilled. 2 warps spilled: 1.2-4.4 ms.
-    if args.get("FORM_AQK"):
+    if args["FORM_AQK"]:
         # The scores formed in the pass feed a dot as the A operand straight from another
         # dot's accumulator. With BV = 32 that compiled wrong on H100 / Triton 3.6 (V = 64:
         # relative error ~1 at 1 stage; V = 128: an illegal address); BV = 64 is right at
@@ -480,6 +490,9 @@ def chunk_gated_delta_rule_fwd_inter(
     if Aqk is None and Ai is not None:
         raise ValueError("the delta rule's pass needs the intra-chunk Aqk (only simple GLA "
                          "forms it in the pass)")
+    if Aqk is None and k.shape[-1] > MAX_K_FORMING_SCORES:
+        raise ValueError(f"the pass forms its own scores only for K <= "
+                         f"{MAX_K_FORMING_SCORES} (got K = {k.shape[-1]}): pass Aqk")
     if scores_out is not None and Aqk is not None:
         raise ValueError("scores_out is for a pass that forms its own scores (Aqk None)")
     B, T, H, K = k.shape
@@ -493,9 +506,11 @@ def chunk_gated_delta_rule_fwd_inter(
                    if output_final_state else None)
     form_scores = Aqk is None
     if scores_out is not None:
-        if scores_out.shape != (B, T, H, CHUNK) or scores_out.dtype != k.dtype:
-            raise ValueError(f"scores_out must be [B, T, H, {CHUNK}] in {k.dtype}, got "
-                             f"{list(scores_out.shape)} {scores_out.dtype}")
+        if (scores_out.shape != (B, T, H, CHUNK) or scores_out.dtype != k.dtype
+                or not scores_out.is_contiguous() or scores_out.device != k.device):
+            raise ValueError(f"scores_out must be a contiguous [B, T, H, {CHUNK}] {k.dtype} "
+                             f"tensor on {k.device}, got {list(scores_out.shape)} "
+                             f"{scores_out.dtype} on {scores_out.device}")
         Aqk = scores_out
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
@@ -506,11 +521,13 @@ def chunk_gated_delta_rule_fwd_inter(
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
         seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
-        bv = _default(dict(V=V, K=K, DELTA=Ai is not None, FORM_AQK=form_scores)).meta["BV"]
-        segment_chunks = segment_chunks_for(seq_chunks, H, triton.cdiv(V, bv),
-                                            triton.cdiv(K + V, bv), Ai is not None)
+        delta = Ai is not None
+        bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
+        bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
+        segment_chunks = segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V, bw),
+                                            delta)
     if not segment_chunks:
-        kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+        kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False, **common)
@@ -519,15 +536,17 @@ def chunk_gated_delta_rule_fwd_inter(
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
     mx = torch.empty(P, H, K, K + V, dtype=torch.float32, device=k.device)
-    kernel[lambda meta: (triton.cdiv(K + V, meta["BV"]), H, P)](
+    kernel[lambda meta: (cdiv(K + V, meta["BV"]), H, P)](
         h0=None, ht=mx, segments=segments, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
-        SPLIT=True, TRANSITION=True, **common)
+        SPLIT=True, TRANSITION=True,
+        # The transitions use no scores: one compiled variant (and tuning space) for all.
+        **dict(common, FORM_AQK=False, STORE_AQK=False))
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
-    chunk_state_combine_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+    chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
         mx=mx, h0=initial_state, seg_h0=seg_h0, ht=final_state, seg_offsets=seg_offsets,
         H=H, K=K, V=V, BK=tile_width(K, 64), USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, DOT_PRECISION=dot_precision(torch.float32))
-    kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, P)](
+    kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, segments=segments, USE_INITIAL_STATE=True,
         STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, **common)
     return o, final_state

@@ -1,6 +1,6 @@
 """The intra-chunk half of the fused chunked forward: everything one chunk of 64 tokens
 can compute without the state (gated delta rule, ALGORITHMS.md §1; with ``delta=False``
-only γ and Aqk, for simple GLA, §2).
+only γ and Aqk, for simple GLA, §2, above K = 128: below, its forward pass forms Aqk).
 
 Per chunk and head, in one program, with g the per-token log decay and β the write
 strength:
@@ -34,6 +34,7 @@ from fla.ops.utils.solve_tril import (
     unstack_blocks_4,
 )
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -237,7 +238,7 @@ def chunk_gated_delta_rule_fwd_intra(
         ``(q_t·k_s) exp(γ_t − γ_s)`` for s ≤ t in the chunk, zeros elsewhere.
     """
     B, T, H, K = k.shape
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     g_cum = None if g is None else torch.empty(B, T, H, dtype=torch.float32, device=k.device)
     Ai = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device) if delta else None
     Aqk = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)

@@ -32,6 +32,7 @@ import triton.language as tl
 from fla.ops.common.chunk_gk_fwd import gk_level_factor, gk_level_mask
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import fp32_dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -182,11 +183,11 @@ def chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale: float, u=None, cu_seq
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     du = (torch.empty(B * NT, H, K, dtype=torch.float32, device=k.device)
           if u is not None else None)
-    chunk_gk_bwd_dqkg_kernel[lambda meta: (triton.cdiv(K, meta["BK"]), NT, B * H)](
+    chunk_gk_bwd_dqkg_kernel[lambda meta: (cdiv(K, meta["BK"]), NT, B * H)](
         q=q, k=k, v=v, g_cum=g_cum, u=u, h=h, do=do, dh=dh, dq=dq, dk=dk, dg=dg, du=du,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V,
         EXCLUSIVE=exclusive, USE_U=u is not None, IS_VARLEN=cu_seqlens is not None,

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -311,7 +312,7 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
         ``(g_cum, A)``: γ float32 ``[B, T, H, K]``; A ``[B, T, H, 64]`` in k's dtype.
     """
     B, T, H, K = k.shape
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     g_cum = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     chunk_gk_fwd_A_kernel[(NT, B * H)](
@@ -337,13 +338,13 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if NT is None:
-        NT = triton.cdiv(T, CHUNK_SIZE)
+        NT = cdiv(T, CHUNK_SIZE)
     o = (torch.empty(B, T, H, V, dtype=out_dtype or v.dtype, device=v.device)
          if store_o else None)
     h = torch.empty(B, NT, H, K, V, dtype=k.dtype, device=k.device) if store_h else None
     ht = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
           if output_final_state else None)
-    chunk_gk_fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), H, N)](
+    chunk_gk_fwd_h_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
         q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, h0=initial_state, ht=ht,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
         BK=tile_width(K, 64), EXCLUSIVE=exclusive, STORE_H=store_h, STORE_O=store_o,

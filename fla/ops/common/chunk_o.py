@@ -17,6 +17,7 @@ from fla.ops.common.chunk_torch import chunk_fwd_o_torch
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -155,7 +156,7 @@ def chunk_fwd_o(
     scale = check_scale(scale, K ** -0.5)
     offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
     if offsets is None:
-        dims["NT"] = triton.cdiv(T, BT)
+        dims["NT"] = cdiv(T, BT)
     else:
         dims["NT"] = sum(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
     dims.source["NT"] = f"the number of chunks of size {BT}"
@@ -173,7 +174,7 @@ def chunk_fwd_o(
         chunk_indices = None
     NT = dims["NT"]
     o = torch.empty_like(v_new)
-    chunk_fwd_o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), NT, B * H)](
+    chunk_fwd_o_kernel[lambda meta: (cdiv(V, meta["BV"]), NT, B * H)](
         q=q, k=k, v=v_new, h=h, g=g, o=o, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=BT,
         USE_G=g is not None, IS_VARLEN=offsets is not None,

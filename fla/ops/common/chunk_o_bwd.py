@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -123,7 +124,7 @@ def chunk_bwd_dv_local(
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     dv = torch.empty_like(do)
     chunk_bwd_dv_local_kernel[(NT, B * H)](
         q=q, k=k, do=do, dv=dv, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
@@ -300,9 +301,9 @@ def chunk_bwd_dqkwg(
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     BK = tile_width(K, 64)
-    NK = triton.cdiv(K, BK)
+    NK = cdiv(K, BK)
     dq = torch.empty_like(k)
     dk = torch.empty_like(k)
     dw = None if w is None else torch.empty_like(w)

@@ -17,6 +17,7 @@ from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op, use_op
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -144,7 +145,7 @@ def chunk_scaled_dot_kkt_fwd(
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     A = torch.empty(B, T, H, BT, dtype=output_dtype, device=k.device)
     chunk_scaled_dot_kkt_fwd_kernel[(NT, B * H)](
         k=k, beta=beta, g=g, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,

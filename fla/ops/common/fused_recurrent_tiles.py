@@ -17,6 +17,7 @@ from typing import Sequence
 import triton
 import triton.language as tl
 
+from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
 __all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
@@ -25,7 +26,7 @@ __all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
 
 def block_k(K: int) -> int:
     """One tile covers all of K: Sᵀq, Sᵀk (and S·dw, Sᵀa) are complete inside one program."""
-    return triton.next_power_of_2(K)
+    return next_power_of_2(K)
 
 
 def default_config(args) -> Config:
@@ -37,14 +38,14 @@ def default_config(args) -> Config:
     BV=32/1 warp is 4× slower than the best while BV=16/1 warp is within 7% of it, hence
     64 elements a thread, not 128. GLA and the DPLR delta rule follow the same rule."""
     BK = args["BK"]
-    BV = min(triton.next_power_of_2(args["V"]), max(16, 2048 // BK))
+    BV = min(next_power_of_2(args["V"]), max(16, 2048 // BK))
     return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
 
 
 def config_space(args, block_vs: Sequence[int] = (8, 16, 32, 64)) -> list[Config]:
     """What ``FLA_TUNE=1`` benchmarks for a forward: V tiles ``block_vs`` (the gated delta
     rule also tries 128), at most 16384 state elements a tile, 1-8 warps and 1-2 stages."""
-    BK, Vp = args["BK"], triton.next_power_of_2(args["V"])
+    BK, Vp = args["BK"], next_power_of_2(args["V"])
     space = []
     for BV in block_vs:
         if BV > Vp or BK * BV > 16384:
@@ -63,7 +64,7 @@ def bwd_block_v(K: int, V: int) -> int:
     launcher chooses it and the tuning layer only varies warps and stages. 4096 elements
     a tile: BK = 128 -> 32 (4 V tiles at V = 128; BV = 16 is 8% faster with the gated delta
     rule but doubles the partial buffers)."""
-    return min(triton.next_power_of_2(V), max(8, 4096 // block_k(K)))
+    return min(next_power_of_2(V), max(8, 4096 // block_k(K)))
 
 
 def bwd_default_config(args) -> Config:

@@ -58,17 +58,30 @@ from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
 
 # The forward also tries V tiles of 128 (the other families stop at 64).
@@ -330,7 +343,7 @@ def fused_recurrent_gated_delta_rule_fwd(
     o = torch.empty_like(v)
     ht = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
     u = torch.empty(v.shape, dtype=torch.float32, device=v.device) if save_u else None
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)  # noqa: E731
+    grid = lambda meta: (cdiv(V, meta["BV"]), N * HV)  # noqa: E731
     fused_recurrent_gated_delta_rule_fwd_kernel[grid](
         q, k, v, g, beta, o, u, initial_state, ht, cu_seqlens, scale, T,
         H=H, HV=HV, K=K, V=V, BK=_block_k(K),
@@ -385,7 +398,7 @@ def fused_recurrent_gated_delta_rule_bwd(
     if N is None:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BV = _block_k(K), _bwd_block_v(K, V)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     f32 = dict(dtype=torch.float32, device=q.device)
 
     dq = torch.empty(B, T, HV, NV, K, **f32)
@@ -529,7 +542,9 @@ def fused_recurrent_gated_delta_rule(
                                    head_first)
     backend = select_backend(x.q, x.k, x.v, x.g, x.beta, x.initial_state)
     if backend is Backend.TORCH:
-        from fla.ops.gated_delta_rule.recurrent_torch import recurrent_gated_delta_rule_torch
+        from fla.ops.gated_delta_rule.recurrent_torch import (
+            recurrent_gated_delta_rule_torch,
+        )
         o, final_state = recurrent_gated_delta_rule_torch(
             x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, output_final_state,
             x.seq_offsets, use_qk_l2norm_in_kernel)

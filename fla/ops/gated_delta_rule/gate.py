@@ -30,6 +30,7 @@ import triton.language as tl
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     FLOAT_DTYPES,
@@ -47,7 +48,7 @@ _SOFTPLUS_THRESHOLD = 20.0
 def _rows_per_program(H: int) -> int:
     # 128 rows x BH heads: [B·T = 16384, H = 4] is 128 programs; fewer rows for many
     # heads keep the fp32 tiles small.
-    return max(16, min(128, 4096 // triton.next_power_of_2(H)))
+    return max(16, min(128, 4096 // next_power_of_2(H)))
 
 
 def _default(args) -> Config:
@@ -141,9 +142,9 @@ def _gate_fwd(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | Non
     g = torch.empty(*ab.shape[:-1], H, dtype=torch.float32, device=ab.device)
     beta = torch.empty(*ab.shape[:-1], H, dtype=ab.dtype, device=ab.device)
     BR = _rows_per_program(H)
-    gdn_gate_fwd_kernel[(triton.cdiv(R, BR),)](
+    gdn_gate_fwd_kernel[(cdiv(R, BR),)](
         ab=ab, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, beta_scale=beta_scale, R=R,
-        H=H, BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None)
+        H=H, BH=next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None)
     return g, beta
 
 
@@ -154,7 +155,7 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
     R = ab.numel() // (2 * H)
     dab = torch.empty_like(ab)
     BR = _rows_per_program(H)
-    programs = triton.cdiv(R, BR)
+    programs = cdiv(R, BR)
     # One row of partial sums per program, every row written by every launch.
     dA_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)
     ddt_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)
@@ -162,7 +163,7 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
         ab=ab, A_log=A_log, dt_bias=dt_bias,
         dg=contiguous_or_none(dg), dbeta=contiguous_or_none(dbeta),
         dab=dab, dA_part=dA_part, ddt_part=ddt_part, beta_scale=beta_scale, R=R, H=H,
-        BH=triton.next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None,
+        BH=next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None,
         HAS_DG=dg is not None, HAS_DBETA=dbeta is not None)
     dA_log, ddt_bias = sum_partial_pair(dA_part, A_log, ddt_part, dt_bias)
     return dab, dA_log, ddt_bias

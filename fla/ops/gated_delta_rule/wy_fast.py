@@ -15,6 +15,7 @@ from fla.ops.common.chunk_torch import recompute_w_u_fwd_torch
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -167,7 +168,7 @@ def recompute_w_u_fwd(
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     recompute_w_u_fwd_kernel[(NT, B * H)](

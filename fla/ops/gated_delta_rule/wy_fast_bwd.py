@@ -24,6 +24,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -184,7 +185,7 @@ def prepare_wy_repr_bwd(
         NT = chunk_indices.shape[0]
     else:
         chunk_indices = None
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)

@@ -26,17 +26,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 # tl.reduce with _sum_combine is tl.sum without a @jit call (milliseconds each in the
 # interpreter); the same code on the GPU.
 from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     config_space as _config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
@@ -44,6 +57,7 @@ from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_input
 from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
 
 
@@ -178,7 +192,7 @@ def fused_recurrent_dplr_fwd(q, k, v, a, b, gk, scale, initial_state, output_fin
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     s = torch.empty(v.shape, dtype=torch.float32, device=v.device) if save_s else None
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
+    grid = lambda meta: (cdiv(V, meta["BV"]), N * H)  # noqa: E731
     fused_recurrent_dplr_fwd_kernel[grid](
         q, k, v, a, b, gk, o, s, initial_state, ht, cu_seqlens, scale, T,
         H=H, K=K, V=V, BK=_block_k(K), USE_H0=initial_state is not None,
@@ -194,7 +208,7 @@ def fused_recurrent_dplr_bwd(q, k, v, a, b, gk, s, scale, initial_state, do, dht
     V = v.shape[-1]
     N = (B if cu_seqlens is None else cu_seqlens.numel() - 1) if N is None else N
     BK, BV = _block_k(K), _bwd_block_v(K, V)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, da, db = (torch.empty(B, T, H, NV, K, **f32) for _ in range(4))
     dv = torch.empty_like(v)

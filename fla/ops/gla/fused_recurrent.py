@@ -35,17 +35,30 @@ from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     config_space as _config_space,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
+)
+from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
+from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
 
 __all__ = ["fused_recurrent_gla", "fused_recurrent_gla_on_inputs"]
@@ -242,7 +255,7 @@ def _forward(q, k, v, gk, gv, scale, initial_state, store_final_state, cu_seqlen
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=v.device)
     ht = (torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
           if store_final_state else None)
-    fused_recurrent_gla_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
+    fused_recurrent_gla_fwd_kernel[lambda meta: (cdiv(V, meta["BV"]), N * H)](
         q, k, v, gk, gv, o, initial_state, ht, cu_seqlens, scale, T,
         H=H, K=K, V=V, BK=_block_k(K), USE_GK=gk is not None, USE_GV=gv is not None,
         USE_H0=initial_state is not None, STORE_HT=store_final_state,
@@ -277,7 +290,7 @@ def _backward(q, k, v, gk, gv, scale, h0, ht, do, dht, cu_seqlens, offsets, N, e
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK, BV = _block_k(K), _bwd_block_v(K, V)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = torch.empty(B, T, H, NV, K, **f32)
     dk = torch.empty(B, T, H, NV, K, **f32)

@@ -34,6 +34,7 @@ from triton.language.standard import _sum_combine
 
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import decode_op
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     INDEX_DTYPES,
@@ -51,7 +52,7 @@ __all__ = ["selective_state_update", "selective_state_update_kernel"]
 # ----------------------------------------------------------------------- tile choice
 def _block_n(N: int) -> int:
     # One tile spans all of N: y's sum over n then completes inside one program.
-    return triton.next_power_of_2(N)
+    return next_power_of_2(N)
 
 
 def _default_config(args) -> Config:
@@ -64,12 +65,12 @@ def _default_config(args) -> Config:
     gave 65% / 32%: too little work a program). Small batches (state under 10 MB) run
     in 2-4 us, launch-bound, whatever the config."""
     BN = args["BN"]
-    BP = max(1, min(triton.next_power_of_2(args["P"]), 2048 // BN))
+    BP = max(1, min(next_power_of_2(args["P"]), 2048 // BN))
     return Config(BP=BP, num_warps=max(1, min(8, BP * BN // 1024)), num_stages=1)
 
 
 def _config_space(args) -> list[Config]:
-    BN, Pp = args["BN"], triton.next_power_of_2(args["P"])
+    BN, Pp = args["BN"], next_power_of_2(args["P"])
     space = []
     for BP in (1, 2, 4, 8, 16, 32, 64, 128):
         if BP > Pp or BP * BN > 16384:
@@ -301,7 +302,7 @@ def _triton_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
     # keeps the kernel from touching them.
     zero2, zero3 = (0, 0), (0, 0, 0)
     BN = _block_n(N)
-    selective_state_update_kernel[lambda meta: (triton.cdiv(P, meta["BP"]), b * H)](
+    selective_state_update_kernel[lambda meta: (cdiv(P, meta["BP"]), b * H)](
         state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices,
         *state.stride(), *x.stride(), *dt.stride(),
         *(dt_bias.stride() if dt_bias is not None else zero2),

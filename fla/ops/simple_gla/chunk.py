@@ -21,7 +21,10 @@ import torch
 from fla.ops.common import chunk_torch
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
-from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+from fla.ops.common.chunk_fwd_inter import (
+    MAX_K_FORMING_SCORES,
+    chunk_gated_delta_rule_fwd_inter,
+)
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs
@@ -36,10 +39,11 @@ __all__ = ["chunk_simple_gla"]
 
 CHUNK_SIZE = 64
 # Up to this K the forward pass forms each chunk's 64 x 64 scores from its own Q and K
-# tiles; at K = 256 its four 64-row state tiles leave no registers for them, and the
-# intra-chunk kernel writes Aqk first. H100, 1x8192x96x128 bf16: forward 0.58 ms against
-# 0.76 with the intra kernel (0 restores that path everywhere).
-SCORES_IN_PASS_MAX_K = 128
+# tiles (at most the pass's MAX_K_FORMING_SCORES: at K = 256 its four 64-row state tiles
+# leave no registers for them); above it the intra-chunk kernel writes Aqk first. H100,
+# 1x8192x96x128 bf16: forward 0.58 ms against 0.76 with the intra kernel (0 restores
+# that path everywhere).
+SCORES_IN_PASS_MAX_K = MAX_K_FORMING_SCORES
 
 
 def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, cu_seqlens,

@@ -18,6 +18,7 @@ import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices, prepare_token_chunk_positions
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import outside_graph, stage_op
+from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     FLOAT_DTYPES,
@@ -44,14 +45,14 @@ _TILE_ELEMENTS = 4096
 
 def _default_config(args) -> Config:
     BT, S = args["BT"], args["S"]
-    BS = max(1, min(triton.next_power_of_2(S), _TILE_ELEMENTS // BT))
+    BS = max(1, min(next_power_of_2(S), _TILE_ELEMENTS // BT))
     warps = 2 if BT * BS <= 1024 else 4
     return Config(BS=BS, num_warps=warps, num_stages=2)
 
 
 def _config_space(args) -> list[Config]:
     BT, S = args["BT"], args["S"]
-    widest = triton.next_power_of_2(S)
+    widest = next_power_of_2(S)
     widths = sorted({min(widest, bs) for bs in (16, 32, 64)})
     # No loop in the kernel: stages change nothing, so only the tile and warps vary.
     return [Config(BS=bs, num_warps=w, num_stages=2)
@@ -163,8 +164,8 @@ def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, head_first, output
     if not head_first:
         # Time-major: heads and channels of one token are contiguous, one wide axis.
         H, S = 1, H * S
-    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
-    chunk_local_cumsum_kernel[lambda meta: (NT, triton.cdiv(S, meta["BS"]), B * H)](
+    NT = cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    chunk_local_cumsum_kernel[lambda meta: (NT, cdiv(S, meta["BS"]), B * H)](
         g, o, 1.0 if scale is None else float(scale), cu_seqlens, chunk_indices, T,
         H=H, S=S, BT=chunk_size, REVERSE=bool(reverse), HAS_SCALE=scale is not None,
         IS_VARLEN=cu_seqlens is not None, HEAD_FIRST=bool(head_first))

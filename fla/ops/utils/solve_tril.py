@@ -24,9 +24,14 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.cumsum import check_chunk_indices
-from fla.ops.utils.index import locate_chunk, prepare_chunk_indices, prepare_token_chunk_positions
+from fla.ops.utils.index import (
+    locate_chunk,
+    prepare_chunk_indices,
+    prepare_token_chunk_positions,
+)
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op, use_op
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
@@ -245,7 +250,7 @@ def _solve_tril_triton(A, cu_seqlens, offsets, output_dtype, chunk_indices):
             chunk_indices = prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=offsets)
         NT = chunk_indices.shape[0]
     else:
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
     solve_tril_kernel[(NT, B * H)](
         A, Ai, cu_seqlens, chunk_indices, T, H=H, BT=BT, IS_VARLEN=cu_seqlens is not None,
         PRECISION=dot_precision(torch.float32))

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import torch
-import triton
 
+from fla.utils.grid import next_power_of_2
 from fla.utils.triton_facts import MIN_DOT_TILE, is_interpreter
 
 
@@ -20,7 +20,7 @@ def check_chunk_size(chunk_size) -> int:
 def tile_width(size: int, cap: int) -> int:
     """Power-of-two tile width for a dimension of ``size``: at most ``cap``, at least
     :data:`~fla.utils.triton_facts.MIN_DOT_TILE`; loads mask the columns past ``size``."""
-    return max(MIN_DOT_TILE, min(cap, triton.next_power_of_2(size)))
+    return max(MIN_DOT_TILE, min(cap, next_power_of_2(size)))
 
 
 def check_kernel_device(*tensors: torch.Tensor | None) -> None:
