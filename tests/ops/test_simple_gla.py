@@ -155,6 +155,40 @@ def test_scores_kept_only_for_a_backward(varlen, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+def test_forward_without_gradients_above_k128(dtype, device, seed, monkeypatch):
+    """Above K = 128 a forward that feeds no backward stores the per-chunk states and
+    computes the outputs in parallel: packed uneven sequences, initial and final states,
+    against the float64 loop and against the forward that keeps its scores."""
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=150)
+    x = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=160, V=48, N=3, gamma=True)
+    cu = cu_seqlens_of(lengths, device)
+    o_ref, ht_ref = naive_recurrent_simple_gla(
+        *(x[n].to(dtype).double() for n in ("q", "k", "v")), x["g"].float().double(),
+        g_gamma=x["g_gamma"].float().double(), initial_state=x["initial_state"].float().double(),
+        output_final_state=True, cu_seqlens=cu.cpu())
+    args = [x[n].to(dtype).to(device) for n in ("q", "k", "v")]
+    kwargs = dict(g=x["g"].float().to(device), g_gamma=x["g_gamma"].float().to(device),
+                  initial_state=x["initial_state"].float().to(device),
+                  output_final_state=True, cu_seqlens=cu)
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    staged = []
+    output_stage = simple_gla_chunk.chunk_fwd_o
+    monkeypatch.setattr(simple_gla_chunk, "chunk_fwd_o",
+                        lambda *a, **kw: staged.append(1) or output_stage(*a, **kw))
+    with torch.no_grad():
+        o, ht = chunk_simple_gla(*args, **kwargs)
+    assert staged == [1]
+    assert_rel_close("o", o, o_ref, TOLERANCE[dtype])
+    assert_rel_close("final_state", ht, ht_ref, TOLERANCE[dtype])
+    o_grad, ht_grad = chunk_simple_gla(args[0].requires_grad_(), *args[1:], **kwargs)
+    assert staged == [1]  # the forward feeding a backward keeps the intra kernel's scores
+    assert_rel_close("o vs the forward keeping scores", o, o_grad, TOLERANCE[dtype])
+    assert_rel_close("final_state vs it", ht, ht_grad, TOLERANCE[dtype])
+
+
+@pytest.mark.interpret
 def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
     """The split state pass (few long sequences on a large GPU), forced at every chunk."""
     from fla.ops.common import chunk_fwd_inter
