@@ -58,8 +58,10 @@ MIN_DOT_TILE = 32
 # Triton 3.3.1 aborts compiling the vector-gate state pass with its output fused
 # (chunk_gk_fwd_h_kernel, STORE_O) at 8 warps: "chooseStMatrixLayoutLeadingOffset:
 # Each chunk is filled in with a single warp" (offline sm_90 compile, every BV and stage
-# count), and so the reverse state pass at K = 256 (chunk_gated_delta_rule_bwd_dhu_kernel,
-# 8 warps, BV = 32 and 64); 3.6 and 3.9 compile all of them. 3.4/3.5 were not checked:
+# count), and so the state passes at K = 256 (chunk_gated_delta_rule_fwd_h_kernel and
+# chunk_gated_delta_rule_bwd_dhu_kernel, 8 warps, BV = 32 and 64) and the WY backward at
+# 8 warps (prepare_wy_repr_bwd_kernel, K = 128 and 256, every tile); 3.6 and 3.9 compile
+# all of them (their tuning spaces keep 8 warps only there). 3.4/3.5 were not checked:
 # treated as 3.3.
 WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 6)
 

@@ -22,7 +22,7 @@ from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import dot_precision
+from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -54,13 +54,14 @@ def _space(args) -> list[Config]:
     # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most).
     k = args.get("k")
     size = k.element_size() if isinstance(k, torch.Tensor) else 2
+    warps = (2, 4, 8) if args["K"] <= 128 or WIDE_STMATRIX_8_WARPS_OK else (2, 4)
     configs = []
     for bv in (32, 64):
         BV = tile_width(args["V"], bv)
         per_stage = args.get("BT", 64) * (2 * args["K"] + BV) * size
         for s in (1, 2, 3, 4):
             if s == 1 or s * per_stage <= 170 * 1024:
-                configs += [Config(BV=BV, num_warps=w, num_stages=s) for w in (2, 4, 8)]
+                configs += [Config(BV=BV, num_warps=w, num_stages=s) for w in warps]
     return list(dict.fromkeys(configs))
 
 
