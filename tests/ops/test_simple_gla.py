@@ -188,6 +188,36 @@ def test_forward_without_gradients_above_k128(dtype, device, seed, monkeypatch):
     assert_rel_close("final_state vs it", ht, ht_grad, TOLERANCE[dtype])
 
 
+def test_staged_forward_only_where_the_pass_would_not_split(monkeypatch):
+    """Few long sequences keep the fused pass (cut into segments on an H100's 132 SMs):
+    the staged state pass would walk each one whole."""
+    from fla.ops.common import chunk_fwd_inter
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: 132)
+    chunk_fwd_inter._segment_lengths.clear()
+
+    def splits(B, T, H, K=256, V=256, offsets=None):
+        k = torch.empty(B, T, H, K, device="meta")
+        return simple_gla_chunk._pass_would_split(k, torch.empty(B, T, H, V, device="meta"),
+                                                  offsets)
+
+    assert splits(1, 65536, 4)                  # a 64K-token prompt over 4 heads
+    assert splits(1, 40000, 2, offsets=[0, 39000, 40000])
+    assert not splits(8, 2048, 32)              # the benchmark shape fills the GPU
+    assert not splits(1, 900, 4)                # too short to cut
+    chunk_fwd_inter._segment_lengths.clear()
+
+
+def test_backward_without_scores_above_k128_is_refused():
+    """Above K = 128 no pass can form the scores again from γ: a backward handed none
+    says so instead of failing deeper."""
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    q = k = torch.zeros(1, 8, 1, 160)
+    v = do = torch.zeros(1, 8, 1, 16)
+    with pytest.raises(RuntimeError, match="above K = 128"):
+        simple_gla_chunk._backward(q, k, v, None, None, None, None, None, do, None, 1.0, None)
+
+
 @pytest.mark.interpret
 def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
     """The split state pass (few long sequences on a large GPU), forced at every chunk."""

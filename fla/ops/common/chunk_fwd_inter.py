@@ -391,6 +391,7 @@ PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {False: 0.33, True: 0.7}  # keyed by the delta
 COMBINE_STEP = 4.0
 _segment_tables: dict = {}
+_segment_lengths: dict = {}
 
 
 def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
@@ -416,13 +417,40 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     ``output_tiles`` (``transition_tiles``) programs per head and segment in the output
     (transition) launch; 0 means no split. The launch model above (:func:`split_time`)
     picks the length; only a pass that fills less than one wave is considered for a split.
+
+    Candidates (multiples of MIN_SEGMENT_CHUNKS): every one up to 64 of them, and for
+    each count p of pieces of the longest sequence, up to four waves of output programs'
+    worth, the shortest length giving it. Remembered per argument set: the layers of a
+    model repeat them.
     """
     slots = PROGRAMS_PER_SM * multiprocessor_count()
     longest = max(seq_chunks)
     if len(seq_chunks) * heads * output_tiles >= slots or longest < 2 * MIN_SEGMENT_CHUNKS:
         return 0
-    shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
-    return min(range(0, longest, MIN_SEGMENT_CHUNKS), key=lambda n: split_time(n, *shape))
+    key = (tuple(seq_chunks), heads, output_tiles, transition_tiles, delta, slots)
+    chosen = _segment_lengths.get(key)
+    if chosen is None:
+        step = MIN_SEGMENT_CHUNKS
+        most_pieces = min(-(-longest // step), -(-4 * slots // (heads * output_tiles)))
+        lengths = ({0} | set(range(step, min(longest, 64 * step), step))
+                   | {-(-longest // (p * step)) * step for p in range(2, most_pieces + 1)})
+        shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
+        chosen = min(sorted(n for n in lengths if n < longest),
+                     key=lambda n: split_time(n, *shape))
+        if len(_segment_lengths) >= 256:
+            _segment_lengths.clear()
+        _segment_lengths[key] = chosen
+    return chosen
+
+
+def default_segment_chunks(offsets: list[int], H: int, K: int, V: int, delta: bool,
+                           form_scores: bool) -> int:
+    """What the pass's launcher picks for ``segment_chunks=None`` (0: no split), given
+    the host ``offsets`` of the sequences (token boundaries, starting at 0)."""
+    seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
+    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
+    return segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V, bw), delta)
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -520,12 +548,7 @@ def chunk_gated_delta_rule_fwd_inter(
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
-        seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
-        delta = Ai is not None
-        bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
-        bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
-        segment_chunks = segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V, bw),
-                                            delta)
+        segment_chunks = default_segment_chunks(offsets, H, K, V, Ai is not None, form_scores)
     if not segment_chunks:
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, segments=None,

@@ -58,23 +58,11 @@ from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
@@ -542,9 +530,7 @@ def fused_recurrent_gated_delta_rule(
                                    head_first)
     backend = select_backend(x.q, x.k, x.v, x.g, x.beta, x.initial_state)
     if backend is Backend.TORCH:
-        from fla.ops.gated_delta_rule.recurrent_torch import (
-            recurrent_gated_delta_rule_torch,
-        )
+        from fla.ops.gated_delta_rule.recurrent_torch import recurrent_gated_delta_rule_torch
         o, final_state = recurrent_gated_delta_rule_torch(
             x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, output_final_state,
             x.seq_offsets, use_qk_l2norm_in_kernel)

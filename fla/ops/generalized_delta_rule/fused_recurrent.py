@@ -26,30 +26,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 # tl.reduce with _sum_combine is tl.sum without a @jit call (milliseconds each in the
 # interpreter); the same code on the GPU.
 from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     config_space as _config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad

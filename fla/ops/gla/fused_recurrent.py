@@ -35,23 +35,11 @@ from triton.language.standard import _sum_combine
 
 from fla.ops.common.fused_recurrent_tiles import (
     block_k as _block_k,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_block_v as _bwd_block_v,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     config_space as _config_space,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     default_config as _default_config,
-)
-from fla.ops.common.fused_recurrent_tiles import (
     sequence_bounds as _sequence_bounds,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs

@@ -26,6 +26,7 @@ from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
 from fla.ops.common.chunk_fwd_inter import (
     MAX_K_FORMING_SCORES,
     chunk_gated_delta_rule_fwd_inter,
+    default_segment_chunks,
 )
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.common.chunk_o import chunk_fwd_o
@@ -51,7 +52,8 @@ SCORES_IN_PASS_MAX_K = MAX_K_FORMING_SCORES
 # (``chunk_delta_h``, K and V in 64-wide tiles over many programs) and then computes every
 # chunk's output in parallel (``chunk_o``), instead of the intra kernel and the pass
 # holding a K x 32 state: H100, 8x2048x32x256 bf16, 0.70 + 0.88 ms of kernels against
-# 0.36 + 1.66, for a transient h as large as q, k, v and o together.
+# 0.36 + 1.66, for a transient h as large as q, k, v and o together. Not when the fused
+# pass would split few long sequences into segments: the staged state pass cannot.
 STAGED_FORWARD_ABOVE_K = 128
 
 
@@ -60,7 +62,8 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
     """``(o, final_state, γ, Aqk)``; Aqk (the scores, for the backward) is None unless
     ``save_scores``, or K > SCORES_IN_PASS_MAX_K and the staged forward was not taken."""
     scores_out = None
-    if k.shape[-1] > STAGED_FORWARD_ABOVE_K and not save_scores:
+    if k.shape[-1] > STAGED_FORWARD_ABOVE_K and not save_scores and not _pass_would_split(
+            k, v, offsets):
         g_cum = None if g is None else chunk_local_cumsum_fwd(
             g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, offsets=offsets)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -84,13 +87,25 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
     return o, final_state, g_cum, Aqk if scores_out is None else scores_out
 
 
+def _pass_would_split(k, v, offsets) -> bool:
+    # Few long sequences: the staged state pass would walk them whole, one program per
+    # tile, where the fused pass cuts them into segments run in parallel.
+    B, T, H, K = k.shape
+    offsets = list(range(0, B * T + 1, T)) if offsets is None else offsets
+    return default_segment_chunks(offsets, H, K, v.shape[-1], False, False) > 0
+
+
 def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do, dht, scale,
               g_dtype):
     """Gradients (dq, dk, dv, dg, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     if Aqk is None:
         # A forward that kept no scores (no input needed a gradient when it ran): the
-        # forward pass again, keeping them this time.
+        # forward pass again, keeping them this time. Above K = 128 the pass cannot form
+        # them, and γ alone (saved instead of g) cannot feed the intra kernel.
+        if k.shape[-1] > MAX_K_FORMING_SCORES:
+            raise RuntimeError("chunk_simple_gla: a backward above K = 128 needs the "
+                               "scores of a forward run with gradients enabled")
         Aqk = k.new_empty(*k.shape[:-1], CHUNK_SIZE)
         chunk_gated_delta_rule_fwd_inter(
             q, k, v, g_cum, None, None, None, scale, initial_state, cu_seqlens=cu_seqlens,
