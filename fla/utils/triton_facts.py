@@ -65,6 +65,12 @@ MIN_DOT_TILE = 32
 # treated as 3.3.
 WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 6)
 
+
+def warp_choices(stmatrix_prone: bool) -> tuple[int, ...]:
+    """Warp counts for a tuning space: 2, 4 and 8, less 8 for a kernel that this Triton
+    aborts at 8 warps (``stmatrix_prone``: one of those the fact above names)."""
+    return (2, 4) if stmatrix_prone and not WIDE_STMATRIX_8_WARPS_OK else (2, 4, 8)
+
 # In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it.
 INTERPRETER_BF16_DOT_IS_WRONG: bool = True
 

@@ -22,7 +22,7 @@ from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -54,7 +54,7 @@ def _space(args) -> list[Config]:
     # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most).
     k = args.get("k")
     size = k.element_size() if isinstance(k, torch.Tensor) else 2
-    warps = (2, 4, 8) if args["K"] <= 128 or WIDE_STMATRIX_8_WARPS_OK else (2, 4)
+    warps = warp_choices(stmatrix_prone=args["K"] > 128)
     configs = []
     for bv in (32, 64):
         BV = tile_width(args["V"], bv)

@@ -34,7 +34,7 @@ import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
@@ -52,7 +52,7 @@ def _dhu_space(args) -> list[Config]:
     # K > 128: three pipeline stages of the four [BT, 64] q/w/k tiles overflow the 228 KB
     # of shared memory on H100/H200 (seen with Triton 3.6 at K = 256), so two only.
     stages = (2, 3) if args["K"] <= 128 else (2,)
-    warps = (2, 4, 8) if args["K"] <= 128 or WIDE_STMATRIX_8_WARPS_OK else (2, 4)
+    warps = warp_choices(stmatrix_prone=args["K"] > 128)
     return [Config(BV=bv, num_warps=w, num_stages=s)
             for bv in bvs for w in warps for s in stages]
 

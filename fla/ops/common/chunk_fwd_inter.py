@@ -398,17 +398,14 @@ def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int
                transition_tiles: int, delta: bool, slots: int) -> float:
     """The launch model's time of the pass (in output chunk steps) with segments of
     ``length`` chunks (0: unsplit) on ``slots`` resident programs."""
-    def waves(programs: int) -> int:
-        return -(-programs // slots)
-
     longest = max(seq_chunks)
     if not length:
-        return waves(len(seq_chunks) * heads * output_tiles) * longest
-    pieces = sum(-(-c // length) for c in seq_chunks)
+        return cdiv(len(seq_chunks) * heads * output_tiles, slots) * longest
+    pieces = sum(cdiv(c, length) for c in seq_chunks)
     steps = min(length, longest)
-    return ((waves(pieces * heads * transition_tiles) * TRANSITION_STEP[delta]
-             + waves(pieces * heads * output_tiles)) * steps
-            + COMBINE_STEP * -(-longest // length))
+    return ((cdiv(pieces * heads * transition_tiles, slots) * TRANSITION_STEP[delta]
+             + cdiv(pieces * heads * output_tiles, slots)) * steps
+            + COMBINE_STEP * cdiv(longest, length))
 
 
 def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
@@ -431,9 +428,9 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     chosen = _segment_lengths.get(key)
     if chosen is None:
         step = MIN_SEGMENT_CHUNKS
-        most_pieces = min(-(-longest // step), -(-4 * slots // (heads * output_tiles)))
+        most_pieces = min(cdiv(longest, step), cdiv(4 * slots, heads * output_tiles))
         lengths = ({0} | set(range(step, min(longest, 64 * step), step))
-                   | {-(-longest // (p * step)) * step for p in range(2, most_pieces + 1)})
+                   | {cdiv(longest, p * step) * step for p in range(2, most_pieces + 1)})
         shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
         chosen = min(sorted(n for n in lengths if n < longest),
                      key=lambda n: split_time(n, *shape))
@@ -443,11 +440,15 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     return chosen
 
 
-def default_segment_chunks(offsets: list[int], H: int, K: int, V: int, delta: bool,
-                           form_scores: bool) -> int:
+def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
+                           V: int, delta: bool, form_scores: bool) -> int:
     """What the pass's launcher picks for ``segment_chunks=None`` (0: no split), given
-    the host ``offsets`` of the sequences (token boundaries, starting at 0)."""
-    seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+    the host ``offsets`` of packed sequences (token boundaries from 0), or None for B
+    sequences of T tokens."""
+    if offsets is None:
+        seq_chunks = [cdiv(T, CHUNK)] * B
+    else:
+        seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V, bw), delta)
@@ -548,7 +549,8 @@ def chunk_gated_delta_rule_fwd_inter(
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
-        segment_chunks = default_segment_chunks(offsets, H, K, V, Ai is not None, form_scores)
+        segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,
+                                                form_scores)
     if not segment_chunks:
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, segments=None,

@@ -39,7 +39,7 @@ import triton.language as tl
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_kernel",
@@ -159,7 +159,7 @@ def _h_default(args) -> Config:
 
 
 def _h_max_warps(args) -> int:
-    return 8 if WIDE_STMATRIX_8_WARPS_OK or not args["STORE_O"] else 4
+    return max(warp_choices(stmatrix_prone=args["STORE_O"]))
 
 
 def _h_space(args) -> list[Config]:

@@ -25,7 +25,7 @@ import triton.language as tl
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import WIDE_STMATRIX_8_WARPS_OK, dot_precision
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["prepare_wy_repr_bwd", "prepare_wy_repr_bwd_kernel"]
@@ -43,7 +43,7 @@ def _wy_default(args) -> Config:
 def _wy_space(args) -> list[Config]:
     bks = sorted({tile_width(args["K"], b) for b in (32, 64)})
     bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
-    warps = (2, 4, 8) if WIDE_STMATRIX_8_WARPS_OK else (2, 4)
+    warps = warp_choices(stmatrix_prone=True)
     return [Config(BK=bk, BV=bv, num_warps=w, num_stages=s)
             for bk in bks for bv in bvs for w in warps for s in (2, 3)]
 

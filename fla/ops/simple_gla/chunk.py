@@ -61,21 +61,22 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
              chunk_indices, offsets):
     """``(o, final_state, γ, Aqk)``; Aqk (the scores, for the backward) is None unless
     ``save_scores``, or K > SCORES_IN_PASS_MAX_K and the staged forward was not taken."""
+    K = k.shape[-1]
+    staged = K > STAGED_FORWARD_ABOVE_K and not save_scores and not _pass_would_split(
+        k, v, offsets)
     scores_out = None
-    if k.shape[-1] > STAGED_FORWARD_ABOVE_K and not save_scores and not _pass_would_split(
-            k, v, offsets):
+    if staged or K <= SCORES_IN_PASS_MAX_K:
         g_cum = None if g is None else chunk_local_cumsum_fwd(
             g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, offsets=offsets)
+    if staged:
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         h, _, final_state = chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, initial_state, output_final_state, chunk_size=CHUNK_SIZE,
             save_new_value=False, **varlen)
         o = chunk_fwd_o(q, k, v, h, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
         return o, final_state, g_cum, None
-    if k.shape[-1] <= SCORES_IN_PASS_MAX_K:
+    if K <= SCORES_IN_PASS_MAX_K:
         Aqk = None
-        g_cum = None if g is None else chunk_local_cumsum_fwd(
-            g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, offsets=offsets)
         if save_scores:
             scores_out = k.new_empty(*k.shape[:-1], CHUNK_SIZE)
     else:
@@ -91,8 +92,7 @@ def _pass_would_split(k, v, offsets) -> bool:
     # Few long sequences: the staged state pass would walk them whole, one program per
     # tile, where the fused pass cuts them into segments run in parallel.
     B, T, H, K = k.shape
-    offsets = list(range(0, B * T + 1, T)) if offsets is None else offsets
-    return default_segment_chunks(offsets, H, K, v.shape[-1], False, False) > 0
+    return default_segment_chunks(offsets, B, T, H, K, v.shape[-1], False, False) > 0
 
 
 def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do, dht, scale,
