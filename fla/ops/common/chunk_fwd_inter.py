@@ -33,7 +33,9 @@ affine, ``S_out = M S_in + X``, and the same recurrence run on the augmented sta
 ``[I | 0]`` with values ``[0 | V]`` yields ``[M | X]``. So the split runs three launches:
 the transitions ``[M | X]`` of all segments in parallel (``TRANSITION``), a short serial
 combine per sequence giving every segment its entering state and the final state, and
-the output pass over all segments in parallel.
+the output pass over all segments in parallel. Without the delta M is the scalar
+exp(Σ g) times I: the transitions then carry only X (K x V, half the columns at K = V)
+and the combine is a scaled add instead of a K x K product per segment.
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
        default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
-    q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, cu_seqlens, segments, scale, T,
+    q, k, v, g_cum, beta, Ai, Aqk, o, h0, ht, seg_decay, cu_seqlens, segments, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
@@ -128,11 +130,14 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     each chunk's scores are formed here from the Q and K tiles that Q S loads anyway;
     with ``STORE_AQK`` too, the first V tile's program writes them to Aqk for the
     backward).
-    The state is ``K x W``: W = V, or with ``TRANSITION``
-    W = K + V, starting from ``[I | 0]`` with values ``[0 | V]`` and no output; its final
-    value ``[M | X]`` goes to ``ht [P, H, K, K + V]``.
+    The state is ``K x W``: W = V, or with ``TRANSITION`` and ``DELTA`` W = K + V,
+    starting from ``[I | 0]`` with values ``[0 | V]`` and no output; its final value
+    ``[M | X]`` goes to ``ht [P, H, K, K + V]``. Without the delta M is the scalar
+    ``exp(Σ g)`` over the segment: a transition then runs the K x V state from zeros into
+    ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
     """
-    W: tl.constexpr = K + V if TRANSITION else V
+    AUGMENTED: tl.constexpr = TRANSITION and DELTA
+    W: tl.constexpr = K + V if AUGMENTED else V
     BT: tl.constexpr = 64  # (a module-level int is not readable inside @jit on Triton 3.6)
     i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if SPLIT:
@@ -154,7 +159,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     o_k = tl.arange(0, BK)
     o_w = i_w * BV + tl.arange(0, BV)
     m_w = o_w < W
-    if TRANSITION:
+    if AUGMENTED:
         o_v = o_w - K              # value column of each state column (< 0: an M column)
         m_v = m_w & (o_w >= K)
     else:
@@ -174,7 +179,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         b_h3 = tl.zeros([BK, BV], dtype=tl.float32)
     if K > 3 * BK:
         b_h4 = tl.zeros([BK, BV], dtype=tl.float32)
-    if TRANSITION:
+    if AUGMENTED:
         # [I | 0]: ones where the state row equals the column.
         b_h1 += (o_k[:, None] == o_w[None, :]).to(tl.float32)
         if K > BK:
@@ -195,6 +200,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 
     for_out: tl.constexpr = not TRANSITION
     form_qk: tl.constexpr = FORM_AQK and not TRANSITION
+    b_log_decay = tl.zeros([], dtype=tl.float32)   # Σ g over the chunks walked
     for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
@@ -266,6 +272,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             b_g_last = tl.load(g_cum + (bos + last) * H + i_h).to(tl.float32)
             b_vn = b_vn * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
             b_decay = tl.exp(b_g_last)
+            b_log_decay += b_g_last
             b_h1 *= b_decay
             if K > BK:
                 b_h2 *= b_decay
@@ -298,6 +305,9 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             tl.store(p_ht + 2 * BK * W, b_h3, mask=m_s3)
         if K > 3 * BK:
             tl.store(p_ht + 3 * BK * W, b_h4, mask=m_s4)
+    if TRANSITION and not DELTA:
+        if i_w == 0:
+            tl.store(seg_decay + i_p * H + i_h, b_log_decay)
 
 
 def _combine_default(args) -> Config:
@@ -335,17 +345,37 @@ def _affine_step(mx, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
         tl.store(dst + rows[:, None] * V + o_v[None, :], b_s, mask=m_r[:, None] & m_v[None, :])
 
 
-@tuned(key=["K", "V", "h0"], default=_combine_default, space=_combine_space)
+@triton.jit
+def _scaled_step(x, seg_decay, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, o_v, m_v):
+    """dst[:, cols] = exp(seg_decay[i_s, i_h]) src[:, cols] + X_s[:, cols]: the transition
+    of a segment without the delta, whose M is a scalar times I; ``x[i_s, i_h]`` is X
+    (K x V)."""
+    o_k = tl.arange(0, BK)
+    base = (tl.full([], 0, tl.int64) + i_s * H + i_h)
+    b_m = tl.exp(tl.load(seg_decay + base))
+    for i_r in range(tl.cdiv(K, BK)):
+        rows = i_r * BK + o_k
+        p_s = rows[:, None] * V + o_v[None, :]
+        m_s = (rows < K)[:, None] & m_v[None, :]
+        b_s = (b_m * tl.load(src + p_s, mask=m_s, other=0.)
+               + tl.load(x + base * (K * V) + p_s, mask=m_s, other=0.))
+        tl.store(dst + p_s, b_s, mask=m_s)
+
+
+@tuned(key=["K", "V", "h0", "SCALAR_DECAY"], default=_combine_default, space=_combine_space)
 @triton.jit
 def chunk_state_combine_kernel(
-    mx, h0, seg_h0, ht, seg_offsets,
+    mx, seg_decay, h0, seg_h0, ht, seg_offsets,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SCALAR_DECAY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
     its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
-    last segment is the sequence's final state ``ht[n]``. All states fp32 ``K x V``."""
+    last segment is the sequence's final state ``ht[n]``. All states fp32 ``K x V``.
+    ``mx [P, H, K, K + V]`` holds ``[M | X]``, or with ``SCALAR_DECAY`` (no delta)
+    ``mx [P, H, K, V]`` holds X and ``seg_decay [P, H]`` log M."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s0 = tl.load(seg_offsets + i_n)
     s1 = tl.load(seg_offsets + i_n + 1)
@@ -367,12 +397,19 @@ def chunk_state_combine_kernel(
         # Every thread's part of seg_h0[i_s] must be stored before any thread reads it.
         tl.debug_barrier()
         src = seg_h0 + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * V)
-        _affine_step(mx, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v, DOT_PRECISION)
+        if SCALAR_DECAY:
+            _scaled_step(mx, seg_decay, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v)
+        else:
+            _affine_step(mx, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v,
+                         DOT_PRECISION)
     if STORE_FINAL_STATE:
         tl.debug_barrier()
         src = seg_h0 + (tl.full([], 0, tl.int64) + (s1 - 1) * H + i_h) * (K * V)
-        _affine_step(mx, src, ht + (i_n.to(tl.int64) * H + i_h) * (K * V), s1 - 1, i_h, H, K,
-                     V, BK, o_v, m_v, DOT_PRECISION)
+        dst = ht + (i_n.to(tl.int64) * H + i_h) * (K * V)
+        if SCALAR_DECAY:
+            _scaled_step(mx, seg_decay, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v)
+        else:
+            _affine_step(mx, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v, DOT_PRECISION)
 
 
 # Segment lengths are multiples of this many chunks.
@@ -380,16 +417,24 @@ MIN_SEGMENT_CHUNKS = 8
 # The split's launch model. The pass and the combine compile to 4 warps at 255 registers
 # (sm_90, Triton 3.6, every variant), so two programs fit an SM, and a launch of n
 # programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk steps. In
-# units of an output program's chunk step (~3.6 µs on H100 at K = V = 128, with or without
-# the delta), a transition program's step costs TRANSITION_STEP, and each segment adds
-# COMBINE_STEP to its sequence's serial combine. Fitted on H100 to the simple GLA pass at
-# 2x16384x16x128 timed unsplit and at eight segment lengths (0.44-0.92 ms, within 5%
-# but 11% at 8 chunks; 64 chunks best, 48 and 96 a wave worse), and to the delta rule's
-# 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64 chunks) and 128 programs
-# over 256 chunks (splitting lost: 0.99 -> 1.27 ms).
+# units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with or without
+# the delta, timed unsplit), a transition program's step costs TRANSITION_STEP, and each
+# segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per segment
+# with the delta, a scaled add without). Keyed by the delta. Without it: fitted (least
+# squares) to the simple GLA pass at 2x16384x16x128 with X-only transitions, timed unsplit
+# and at seven segment lengths on 2026-11-25 (0.40-0.91 ms; the model within 15%, its
+# pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
+# folds in the slower output steps of a full wave next to the unsplit pass's). With it:
+# fitted to the delta rule's 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64
+# chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms).
 PROGRAMS_PER_SM = 2
-TRANSITION_STEP = {False: 0.33, True: 0.7}  # keyed by the delta
-COMBINE_STEP = 4.0
+TRANSITION_STEP = {False: 0.44, True: 0.7}
+COMBINE_STEP = {False: 2.0, True: 4.0}
+# A split must save at least this share of the unsplit pass in the model. It costs two
+# more launches and their host work, and where the model saw 3-22% the pass gained at
+# most 7% and the op lost 2-80 µs (H100, 2026-11-25: simple GLA at 8x1024x8x64,
+# 4x2048x16x128 and Mamba2's 4x4096x32 heads with K = 128, V = 64).
+MIN_SPLIT_SAVING = 0.25
 _segment_tables: dict = {}
 _segment_lengths: dict = {}
 
@@ -405,7 +450,7 @@ def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int
     steps = min(length, longest)
     return ((cdiv(pieces * heads * transition_tiles, slots) * TRANSITION_STEP[delta]
              + cdiv(pieces * heads * output_tiles, slots)) * steps
-            + COMBINE_STEP * cdiv(longest, length))
+            + COMBINE_STEP[delta] * cdiv(longest, length))
 
 
 def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
@@ -434,6 +479,8 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
         shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
         chosen = min(sorted(n for n in lengths if n < longest),
                      key=lambda n: split_time(n, *shape))
+        if split_time(chosen, *shape) > (1 - MIN_SPLIT_SAVING) * split_time(0, *shape):
+            chosen = 0
         if len(_segment_lengths) >= 256:
             _segment_lengths.clear()
         _segment_lengths[key] = chosen
@@ -451,7 +498,8 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
-    return segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V, bw), delta)
+    return segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V if delta else V, bw),
+                              delta)
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -553,25 +601,31 @@ def chunk_gated_delta_rule_fwd_inter(
                                                 form_scores)
     if not segment_chunks:
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
-            h0=initial_state, ht=final_state, segments=None,
+            h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False, **common)
         return o, final_state
 
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
-    mx = torch.empty(P, H, K, K + V, dtype=torch.float32, device=k.device)
-    kernel[lambda meta: (cdiv(K + V, meta["BV"]), H, P)](
-        h0=None, ht=mx, segments=segments, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
-        SPLIT=True, TRANSITION=True,
+    delta = Ai is not None
+    # The delta's transitions are K x (K + V) ([M | X]); without it M is exp(Σ g)·I, so
+    # only X (K x V) and the scalar log decay per segment and head.
+    W = K + V if delta else V
+    mx = torch.empty(P, H, K, W, dtype=torch.float32, device=k.device)
+    seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32, device=k.device)
+    kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
+        h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
+        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True,
         # The transitions use no scores: one compiled variant (and tuning space) for all.
         **dict(common, FORM_AQK=False, STORE_AQK=False))
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
     chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
-        mx=mx, h0=initial_state, seg_h0=seg_h0, ht=final_state, seg_offsets=seg_offsets,
-        H=H, K=K, V=V, BK=tile_width(K, 64), USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, DOT_PRECISION=dot_precision(torch.float32))
+        mx=mx, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0, ht=final_state,
+        seg_offsets=seg_offsets, H=H, K=K, V=V, BK=tile_width(K, 64),
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        SCALAR_DECAY=not delta, DOT_PRECISION=dot_precision(torch.float32))
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
-        h0=seg_h0, ht=None, segments=segments, USE_INITIAL_STATE=True,
+        h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
         STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, **common)
     return o, final_state
