@@ -260,3 +260,56 @@ def test_gpu_bf16_varlen(mode):
     inputs = make_inputs(gen, B=1, T=sum(lengths), H=4, K=128, V=128, N=len(lengths))
     compare(inputs, torch.bfloat16, "cuda", fn=op(mode), gen=gen,
             cu_seqlens=cu_seqlens_of(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_every_tuning_config_of_the_vector_gate_kernels(D, exclusive, monkeypatch):
+    """Each config the tuning layer may pick for a kernel of chunk_gla / chunk_rwkv6 (the
+    scores, the state pass with and without stored states, dq/dk/dg and the reverse state
+    pass) compiles on this Triton/GPU and gives the float64 loop's outputs and gradients.
+    (H100, Triton 3.6: the state pass at BV = 32 with one stage faulted with an illegal
+    address when FLA_TUNE=1 benchmarked it.)"""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_gk_bwd, chunk_gk_fwd
+    from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
+    from fla.utils.tuning import TunedKernel
+    from tests.ops.config_sweep import record_launches, sweep_configs
+
+    gen = generator(0x61c)
+    inputs = make_inputs(gen, B=2, T=300, H=2, K=D, V=D)
+    if exclusive:
+        inputs["u"] = randn((2, D), gen, torch.float64, scale=0.5)
+        fn, ref_fn = chunk_rwkv6, naive_recurrent_rwkv6
+        names = {"q": "r", "g": "w"}
+    else:
+        fn, ref_fn, names = chunk_gla, naive, {}
+    do = output_grad(inputs["v"].shape, gen, torch.bfloat16)
+    dht = randn(inputs["initial_state"].shape, gen, torch.float64)
+    leaves = leaves_of(inputs, torch.bfloat16, "cpu")
+    if exclusive:
+        leaves["u"] = leaves["u"].detach().float().requires_grad_()
+    renamed = {names.get(n, n): x for n, x in leaves.items()}
+    ref_leaves = {n: x.detach().double().cuda().requires_grad_() for n, x in renamed.items()}
+    o_ref, h_ref, g_ref = run(ref_fn, ref_leaves, do, dht)
+    order = sorted(renamed)
+    refs = [o_ref, h_ref] + [g_ref[n] for n in order]
+
+    def call():
+        cuda = {n: x.detach().cuda().requires_grad_() for n, x in renamed.items()}
+        o, ht, grads = run(fn, cuda, do, dht)
+        return [o, ht] + [grads[n] for n in order]
+
+    modules = (chunk_gk_fwd, chunk_gk_bwd, chunk_delta_h_bwd)
+    kernels = [(f"{m.__name__}.{name}", obj) for m in modules
+               for name, obj in vars(m).items() if isinstance(obj, TunedKernel)]
+    launched = []
+    for name, kernel in kernels:
+        with monkeypatch.context() as m:
+            calls = record_launches(m, kernel)
+            call()
+        if calls:
+            launched.append((name, kernel, call, refs, 2e-2))
+    assert len(launched) >= 3, [name for name, *_ in launched]
+    failures = sweep_configs(monkeypatch, launched, min_configs=2)
+    assert not failures, "\n".join(failures)

@@ -44,17 +44,24 @@ def _dhu_default(args) -> Config:
     # dS lives in registers as up to four [64, BV] fp32 tiles: with K = 256 and 4 warps,
     # BV = 32 keeps it at 64 registers per thread and leaves room for the operands.
     return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
-                  num_stages=2)
+                  num_stages=min(2, max(_dhu_stages(args))))
+
+
+def _dhu_stages(args) -> tuple[int, ...]:
+    # Pipeline stages that fit the 227 KB of shared memory on H100/H200 (Triton 3.6):
+    # K > 128 overflows at three stages of the four [BT, 64] q/w/k tiles. The vector gate
+    # (GLA, RWKV6) also stages the fp32 γ tiles: three stages overflow at K = 128 (239-271
+    # KB) and two at K = 256 (247-271 KB), at every BV and warp count of the space.
+    if args.get("USE_GK"):
+        return (1, 2) if args["K"] <= 128 else (1,)
+    return (2, 3) if args["K"] <= 128 else (2,)
 
 
 def _dhu_space(args) -> list[Config]:
     bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
-    # K > 128: three pipeline stages of the four [BT, 64] q/w/k tiles overflow the 228 KB
-    # of shared memory on H100/H200 (seen with Triton 3.6 at K = 256), so two only.
-    stages = (2, 3) if args["K"] <= 128 else (2,)
     warps = warp_choices(stmatrix_prone=args["K"] > 128)
     return [Config(BV=bv, num_warps=w, num_stages=s)
-            for bv in bvs for w in warps for s in stages]
+            for bv in bvs for w in warps for s in _dhu_stages(args)]
 
 
 @triton.jit
