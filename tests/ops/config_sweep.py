@@ -60,3 +60,21 @@ def sweep_configs(monkeypatch, stages, min_configs: int) -> list[str]:
                 if not err <= bound:
                     failures.append(f"{name} {config}: relative error {err:.2e} > {bound}")
     return failures
+
+
+def launched_stages(monkeypatch, modules, call, refs, bound: float) -> list:
+    """The tuned kernels of ``modules`` that one ``call()`` launches, as the ``stages``
+    tuples of :func:`sweep_configs` (each checked against ``refs`` within ``bound``)."""
+    from fla.utils.tuning import TunedKernel
+
+    stages = []
+    for module in modules:
+        for name, kernel in list(vars(module).items()):
+            if not isinstance(kernel, TunedKernel):
+                continue
+            with monkeypatch.context() as m:
+                calls = record_launches(m, kernel)
+                call()
+            if calls:
+                stages.append((f"{module.__name__}.{name}", kernel, call, refs, bound))
+    return stages

@@ -273,8 +273,7 @@ def test_every_tuning_config_of_the_vector_gate_kernels(D, exclusive, monkeypatc
     address when FLA_TUNE=1 benchmarked it.)"""
     from fla.ops.common import chunk_delta_h_bwd, chunk_gk_bwd, chunk_gk_fwd
     from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
-    from fla.utils.tuning import TunedKernel
-    from tests.ops.config_sweep import record_launches, sweep_configs
+    from tests.ops.config_sweep import launched_stages, sweep_configs
 
     gen = generator(0x61c)
     inputs = make_inputs(gen, B=2, T=300, H=2, K=D, V=D)
@@ -300,16 +299,8 @@ def test_every_tuning_config_of_the_vector_gate_kernels(D, exclusive, monkeypatc
         o, ht, grads = run(fn, cuda, do, dht)
         return [o, ht] + [grads[n] for n in order]
 
-    modules = (chunk_gk_fwd, chunk_gk_bwd, chunk_delta_h_bwd)
-    kernels = [(f"{m.__name__}.{name}", obj) for m in modules
-               for name, obj in vars(m).items() if isinstance(obj, TunedKernel)]
-    launched = []
-    for name, kernel in kernels:
-        with monkeypatch.context() as m:
-            calls = record_launches(m, kernel)
-            call()
-        if calls:
-            launched.append((name, kernel, call, refs, 2e-2))
+    launched = launched_stages(monkeypatch, (chunk_gk_fwd, chunk_gk_bwd, chunk_delta_h_bwd),
+                               call, refs, 2e-2)
     assert len(launched) >= 3, [name for name, *_ in launched]
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)

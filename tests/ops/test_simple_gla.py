@@ -15,7 +15,6 @@ from fla.ops.simple_gla import (
     fused_recurrent_simple_gla,
     naive_recurrent_simple_gla,
 )
-from fla.utils.tuning import TunedKernel
 from tests.helpers import (
     TOLERANCE,
     assert_rel_close,
@@ -350,7 +349,7 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
         chunk_fwd_intra,
         chunk_o_bwd,
     )
-    from tests.ops.config_sweep import record_launches, sweep_configs
+    from tests.ops.config_sweep import launched_stages, sweep_configs
 
     gen = generator(seed)
     inputs = make_inputs(gen, B=2, T=300, H=2, HV=2, K=D, V=D, gamma=True)
@@ -369,14 +368,6 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
         return [o, ht] + [grads[n] for n in ("q", "k", "v", "g", "initial_state")]
 
     modules = (chunk_fwd_intra, chunk_fwd_inter, chunk_delta_h, chunk_delta_h_bwd, chunk_o_bwd)
-    kernels = [(f"{m.__name__}.{name}", obj) for m in modules
-               for name, obj in vars(m).items() if isinstance(obj, TunedKernel)]
-    launched = []
-    for name, kernel in kernels:
-        with monkeypatch.context() as m:
-            calls = record_launches(m, kernel)
-            call()
-        if calls:
-            launched.append((name, kernel, call, refs, 2e-2))
+    launched = launched_stages(monkeypatch, modules, call, refs, 2e-2)
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)

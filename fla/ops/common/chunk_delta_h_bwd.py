@@ -51,7 +51,8 @@ def _dhu_stages(args) -> tuple[int, ...]:
     # Pipeline stages that fit the 227 KB of shared memory on H100/H200 (Triton 3.6):
     # K > 128 overflows at three stages of the four [BT, 64] q/w/k tiles. The vector gate
     # (GLA, RWKV6) also stages the fp32 γ tiles: three stages overflow at K = 128 (239-271
-    # KB) and two at K = 256 (247-271 KB), at every BV and warp count of the space.
+    # KB) and two at K = 256 (247-271 KB), at every BV and warp count of the space; K = 64
+    # drops three stages too (it fits, but was not faster where measured).
     if args.get("USE_GK"):
         return (1, 2) if args["K"] <= 128 else (1,)
     return (2, 3) if args["K"] <= 128 else (2,)

@@ -200,7 +200,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 
     for_out: tl.constexpr = not TRANSITION
     form_qk: tl.constexpr = FORM_AQK and not TRANSITION
-    b_log_decay = tl.zeros([], dtype=tl.float32)   # Σ g over the chunks walked
+    b_log_decay = tl.zeros([], dtype=tl.float32)   # Σ g over a transition's chunks
     for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
@@ -272,7 +272,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             b_g_last = tl.load(g_cum + (bos + last) * H + i_h).to(tl.float32)
             b_vn = b_vn * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
             b_decay = tl.exp(b_g_last)
-            b_log_decay += b_g_last
+            if TRANSITION:
+                b_log_decay += b_g_last
             b_h1 *= b_decay
             if K > BK:
                 b_h2 *= b_decay
@@ -414,8 +415,8 @@ def chunk_state_combine_kernel(
 
 # Segment lengths are multiples of this many chunks.
 MIN_SEGMENT_CHUNKS = 8
-# The split's launch model. The pass and the combine compile to 4 warps at 255 registers
-# (sm_90, Triton 3.6, every variant), so two programs fit an SM, and a launch of n
+# The split's launch model. The pass compiles to 4 warps at 255 registers (sm_90, Triton
+# 3.6, every variant; so does the delta's K x K combine), so two programs fit an SM, and a launch of n
 # programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk steps. In
 # units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with or without
 # the delta, timed unsplit), a transition program's step costs TRANSITION_STEP, and each
@@ -458,7 +459,8 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     """Chunks per segment for the pass over sequences of ``seq_chunks`` chunks each, with
     ``output_tiles`` (``transition_tiles``) programs per head and segment in the output
     (transition) launch; 0 means no split. The launch model above (:func:`split_time`)
-    picks the length; only a pass that fills less than one wave is considered for a split.
+    picks the length; only a pass that fills less than one wave is considered for a split,
+    and a split is kept only if the model saves MIN_SPLIT_SAVING of the unsplit pass.
 
     Candidates (multiples of MIN_SEGMENT_CHUNKS): every one up to 64 of them, and for
     each count p of pieces of the longest sequence, up to four waves of output programs'

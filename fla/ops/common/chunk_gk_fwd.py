@@ -168,10 +168,11 @@ def _h_space(args) -> list[Config]:
     # warps); three stages overflow the 227 KB of shared memory (q, k, fp32 γ and γq tiles
     # per stage: 243-457 KB with RWKV6's γq at K = 128 and at K = 256), and so do two
     # stages of BV = 64 at K = 256 (239-243 KB).
+    widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
     return list(dict.fromkeys(
-        Config(BV=tile_width(args["V"], bv), num_warps=w, num_stages=s)
-        for bv in (32, 64) for w in (4, 8) if w <= _h_max_warps(args) for s in (1, 2)
-        if not (bv == 32 and s == 1) and not (bv == 64 and s == 2 and args["K"] > 128)))
+        Config(BV=bv, num_warps=w, num_stages=s)
+        for bv in widths for w in (4, 8) if w <= _h_max_warps(args) for s in (1, 2)
+        if not (bv <= 32 and s == 1) and not (bv == 64 and s == 2 and args["K"] > 128)))
 
 
 @triton.jit
