@@ -159,6 +159,7 @@ def test_dot_precision(monkeypatch):
     assert dot_precision(torch.bfloat16) == "tf32"
 
 
+@pytest.mark.gpu
 def test_count_on_the_gpu(monkeypatch, tmp_path):
     """A compiling Triton: one binary per constexpr set, none for a new length."""
     if is_interpreter() or not torch.cuda.is_available():
@@ -191,6 +192,7 @@ def test_count_on_the_gpu(monkeypatch, tmp_path):
     assert compiled_kernel_count(k) == before + 1
 
 
+@pytest.mark.interpret
 def test_the_tiny_kernel_is_usable_through_the_tuning_layer(device, monkeypatch, tmp_path):
     """Sanity check that the helper used above really computes 2x."""
     if not is_interpreter() and not torch.cuda.is_available():
@@ -210,6 +212,7 @@ def _cast_kernel(x, y, N: tl.constexpr):
     tl.store(y + o, tl.load(x + o).to(y.dtype.element_ty))
 
 
+@pytest.mark.interpret
 def test_bf16_cast_rounding_is_as_recorded(device):
     """The fp32 -> bf16 cast of a kernel: to nearest on the GPU; by truncation in the
     interpreter while ``INTERPRETER_BF16_CAST_TRUNCATES`` says so (a Triton release that
