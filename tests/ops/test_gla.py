@@ -201,6 +201,64 @@ def test_gate_constant_over_k_equals_simple_gla(device, seed):
         assert_rel_close(f"d{name}", g1[name], g2[name], 1e-4)
 
 
+def scores_float64(q, k, g, u, cu, exclusive, chunk=64):
+    """A [T, H, 64] of one packed batch (q, k, g [T, H, K]), chunk by chunk in float64,
+    and the mask of the entries that may be nonzero (j ≤ i inside the chunk)."""
+    T, H, _ = q.shape
+    A = torch.zeros(T, H, chunk, dtype=torch.float64)
+    allowed = torch.zeros(T, chunk, dtype=torch.bool)
+    bounds = cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            L = min(c + chunk, eos) - c
+            gam = g[c:c + L].cumsum(0)
+            gq = torch.cat([torch.zeros_like(gam[:1]), gam[:-1]]) if exclusive else gam
+            lower = torch.tril(torch.ones(L, L, dtype=torch.bool), -1)
+            # Exponents above the diagonal are positive: masked before the exp.
+            d = torch.where(lower[:, :, None, None], gq[:, None] - gam[None, :], -torch.inf)
+            s = (q[c:c + L, None] * k[None, c:c + L] * d.exp()).sum(-1)
+            if u is not None:
+                diag = (q[c:c + L] * u * k[c:c + L]).sum(-1)
+            elif not exclusive:
+                diag = (q[c:c + L] * k[c:c + L]).sum(-1)
+            else:
+                diag = torch.zeros(L, H, dtype=torch.float64)
+            s[torch.arange(L), torch.arange(L)] = diag
+            A[c:c + L, :, :L] = s.transpose(1, 2)
+            allowed[c:c + L, :L] = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    return A, allowed
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("variant", ["gla", "rwkv6"])
+def test_intra_chunk_scores_kernel(variant, device, seed):
+    """chunk_gk_fwd_A alone (GLA; RWKV6's exclusive scores with the bonus u) against
+    float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
+    of the K tile), gates down to −5 a step; entries above the diagonal and past the
+    chunk's end exactly zero."""
+    from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd_A
+    from fla.ops.utils.index import prepare_chunk_indices
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=20, high=150)
+    T, H, K = sum(lengths), 2, 80
+    x = make_inputs(gen, B=1, T=T, H=H, K=K, V=16, h0=False)
+    exclusive = variant == "rwkv6"
+    u = randn((H, K), gen, torch.float64) if exclusive else None
+    cu = cu_seqlens_of(lengths)
+    q, k, g = (x[n][0].to(torch.float32) for n in ("q", "k", "g"))
+    _, A = chunk_gk_fwd_A(
+        q[None].to(device), k[None].to(device), g[None].to(device),
+        None if u is None else u.to(torch.float32).to(device), cu.to(device),
+        prepare_chunk_indices(cu.to(device), 64), exclusive=exclusive)
+    A = A[0].cpu()
+    A_ref, allowed = scores_float64(*(t.double() for t in (q, k, g)),
+                                    None if u is None else u.to(torch.float32).double(),
+                                    cu, exclusive)
+    assert A.dtype == torch.float32 and A.shape == (T, H, 64)
+    assert (A.transpose(1, 2)[~allowed] == 0).all()
+    assert_rel_close("A", A, A_ref, 1e-4)
+
+
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("mode", list(OPS))
 def test_torch_paths_match_float64_loop(mode, dtype, seed, monkeypatch):
