@@ -416,8 +416,9 @@ def chunk_state_combine_kernel(
 # Segment lengths are multiples of this many chunks.
 MIN_SEGMENT_CHUNKS = 8
 # The split's launch model. The pass compiles to 4 warps at 255 registers (sm_90, Triton
-# 3.6, every variant; so does the delta's K x K combine), so two programs fit an SM, and a launch of n
-# programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk steps. In
+# 3.6, every variant; so does the delta's K x K combine), so two programs fit an SM, and a
+# launch of n programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk
+# steps. In
 # units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with or without
 # the delta, timed unsplit), a transition program's step costs TRANSITION_STEP, and each
 # segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per segment
