@@ -418,14 +418,13 @@ MIN_SEGMENT_CHUNKS = 8
 # The split's launch model. The pass compiles to 4 warps at 255 registers (sm_90, Triton
 # 3.6, every variant; so does the delta's K x K combine), so two programs fit an SM, and a
 # launch of n programs over segments of L chunks takes ceil(n / (2·SMs)) waves of L chunk
-# steps. In
-# units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with or without
-# the delta, timed unsplit), a transition program's step costs TRANSITION_STEP, and each
-# segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per segment
-# with the delta, a scaled add without). Keyed by the delta. Without it: fitted (least
-# squares) to the simple GLA pass at 2x16384x16x128 with X-only transitions, timed unsplit
-# and at seven segment lengths on 2026-11-25 (0.40-0.91 ms; the model within 15%, its
-# pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
+# steps. In units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with
+# or without the delta, timed unsplit), a transition program's step costs TRANSITION_STEP,
+# and each segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per
+# segment with the delta, a scaled add without). Keyed by the delta. Without it: fitted
+# (least squares) to the simple GLA pass at 2x16384x16x128 with X-only transitions, timed
+# unsplit and at seven segment lengths on 2026-11-25 (0.40-0.91 ms; the model within 15%,
+# its pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
 # folds in the slower output steps of a full wave next to the unsplit pass's). With it:
 # fitted to the delta rule's 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64
 # chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms).
@@ -490,6 +489,13 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     return chosen
 
 
+def transition_width(K: int, V: int, delta: bool) -> int:
+    """Columns of a segment's transition state: K + V for the delta's ``[M | X]``; V
+    without it, where M is exp(Σ g)·I (X alone, plus the scalar log decay per segment
+    and head)."""
+    return K + V if delta else V
+
+
 def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
                            V: int, delta: bool, form_scores: bool) -> int:
     """What the pass's launcher picks for ``segment_chunks=None`` (0: no split), given
@@ -501,8 +507,8 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
-    return segment_chunks_for(seq_chunks, H, cdiv(V, bv), cdiv(K + V if delta else V, bw),
-                              delta)
+    return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
+                              cdiv(transition_width(K, V, delta), bw), delta)
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -612,9 +618,7 @@ def chunk_gated_delta_rule_fwd_inter(
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
     delta = Ai is not None
-    # The delta's transitions are K x (K + V) ([M | X]); without it M is exp(Σ g)·I, so
-    # only X (K x V) and the scalar log decay per segment and head.
-    W = K + V if delta else V
+    W = transition_width(K, V, delta)
     mx = torch.empty(P, H, K, W, dtype=torch.float32, device=k.device)
     seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32, device=k.device)
     kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
