@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
+from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
@@ -57,17 +58,18 @@ MAX_K_FORMING_SCORES = 128
 
 
 def _default(args) -> Config:
-    # Gated delta rule: BV = 32, a K = 128 state is 32 fp32 registers a thread at 4 warps,
-    # and a head's V = 128 is spread over 4 programs. Measured on H100 (Triton 3.6, bf16,
-    # K = V = 128, 1x8192x96): 1.17 ms; the best other configs 1.18 (BV = 64, 3 stages)
-    # and 1.21; 2 warps 1.2-4.4 ms (spills).
-    # Simple GLA (no delta: three dots a chunk, not eight): BV = 64 halves the programs'
-    # repeated loads of Q, K and Aqk; same shape 0.51 ms against 0.78 at BV = 32 (1.19 at
-    # one stage, 0.71 at three). Above K = 128 the space holds BV = 32 only.
+    # Gated delta rule: BV = 64 up to K = 128 for the output pass. H100 (Triton 3.6, bf16,
+    # 2026-11-26), the pass at 1x8192x96x128: 0.72 ms against 0.94 at BV = 32 and 1.17
+    # for the BV = 32 kernel before K's tiles were reused and Ai, Aqk loaded by whole
+    # rows (which took it from 115 to 99 KB of shared memory: two programs an SM);
+    # 4x4096x64x128: 0.82 against 1.01 and 1.66. The transitions of a split keep BV = 32
+    # (the launch model was fitted with it). Above K = 128, BV = 32: 2.13 ms at
+    # 8x2048x32x256 against 2.23. Simple GLA (no delta: three dots a chunk, not eight):
+    # BV = 64, 0.58 ms at 1x8192x96x128 against 0.78 at BV = 32.
     if args["FORM_AQK"]:
         return Config(BV=64, num_warps=4, num_stages=2)
-    width = 64 if not args["DELTA"] and args["K"] <= 128 else 32
-    return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
+    wide = args["K"] <= 128 and not (args["DELTA"] and args["TRANSITION"])
+    return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4, num_stages=2)
 
 
 def _space(args) -> list[Config]:
@@ -94,10 +96,13 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
                      WITH_Q: tl.constexpr, WITH_QK: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     """K S and/or Q S accumulated over one 64-row tile of the state (16-bit operands),
-    and with ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels."""
+    and with ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels; also returns the
+    K tile (for the state update) when one was loaded."""
     b_hc = b_h.to(k.dtype.element_ty)
     if WITH_K or WITH_QK:
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.)
+    else:
+        b_k = tl.zeros([1, 1], dtype=k.dtype.element_ty)  # not loaded: the caller reloads
     if WITH_K:
         b_ks = tl.dot(b_k, b_hc, b_ks, input_precision=DOT_PRECISION)
     if WITH_Q or WITH_QK:
@@ -106,7 +111,7 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
         b_qs = tl.dot(b_q, b_hc, b_qs, input_precision=DOT_PRECISION)
     if WITH_QK:
         b_qk = tl.dot(b_q, tl.trans(b_k), b_qk, input_precision=DOT_PRECISION)
-    return b_ks, b_qs, b_qk
+    return b_ks, b_qs, b_qk, b_k
 
 
 @tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK"],
@@ -211,20 +216,23 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         b_qs = tl.zeros([BT, BV], dtype=tl.float32)
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, b_qk, DELTA,
-                                            for_out, form_qk, DOT_PRECISION)
+        b_ks, b_qs, b_qk, b_k1 = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, b_qk,
+                                                  DELTA, for_out, form_qk, DOT_PRECISION)
         if K > BK:
             m_tk = m_t[:, None] & (BK + o_k < K)[None, :]
-            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs, b_qk,
-                                                DELTA, for_out, form_qk, DOT_PRECISION)
+            b_ks, b_qs, b_qk, b_k2 = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs,
+                                                      b_qk, DELTA, for_out, form_qk,
+                                                      DOT_PRECISION)
         if K > 2 * BK:
             m_tk = m_t[:, None] & (2 * BK + o_k < K)[None, :]
-            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks, b_qs,
-                                                b_qk, DELTA, for_out, form_qk, DOT_PRECISION)
+            b_ks, b_qs, b_qk, b_k3 = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks,
+                                                      b_qs, b_qk, DELTA, for_out, form_qk,
+                                                      DOT_PRECISION)
         if K > 3 * BK:
             m_tk = m_t[:, None] & (3 * BK + o_k < K)[None, :]
-            b_ks, b_qs, b_qk = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks, b_qs,
-                                                b_qk, DELTA, for_out, form_qk, DOT_PRECISION)
+            b_ks, b_qs, b_qk, b_k4 = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks,
+                                                      b_qs, b_qk, DELTA, for_out, form_qk,
+                                                      DOT_PRECISION)
 
         p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
@@ -243,7 +251,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             if USE_G:
                 b_ks *= b_eg[:, None]
             b_r = ((b_v - b_ks) * b_beta[:, None]).to(k.dtype.element_ty)
-            b_vn = tl.dot(tl.load(Ai + p_tt, mask=m_tt, other=0.), b_r,
+            b_vn = tl.dot(load_chunk_rows(Ai + p_tt, m_t, m_tt), b_r,
                           input_precision=DOT_PRECISION)
         else:
             b_vn = b_v
@@ -259,7 +267,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                     if i_w == 0:
                         tl.store(Aqk + p_tt, b_aqk, mask=m_t[:, None])
             else:
-                b_aqk = tl.load(Aqk + p_tt, mask=m_tt, other=0.)
+                b_aqk = load_chunk_rows(Aqk + p_tt, m_t, m_tt)
             b_o = tl.dot(b_aqk, b_vn.to(k.dtype.element_ty), b_qs,
                          input_precision=DOT_PRECISION)
             tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty),
@@ -283,19 +291,33 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                 b_h4 *= b_decay
         b_vn = b_vn.to(k.dtype.element_ty)
 
-        # S += Kᵀ Vn with K read as [BK, BT] tiles (L1/L2-resident from above).
-        p_kt = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
-        b_h1 = tl.dot(tl.load(p_kt, mask=(o_k < K)[:, None] & m_t[None, :], other=0.),
-                      b_vn, b_h1, input_precision=DOT_PRECISION)
-        if K > BK:
-            b_h2 = tl.dot(tl.load(p_kt + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :],
-                                  other=0.), b_vn, b_h2, input_precision=DOT_PRECISION)
-        if K > 2 * BK:
-            b_h3 = tl.dot(tl.load(p_kt + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
-                                  other=0.), b_vn, b_h3, input_precision=DOT_PRECISION)
-        if K > 3 * BK:
-            b_h4 = tl.dot(tl.load(p_kt + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
-                                  other=0.), b_vn, b_h4, input_precision=DOT_PRECISION)
+        # S += Kᵀ Vn. Where this step loaded K's tiles already (for K S or Q Kᵀ), their
+        # transposes: reading K again as [BK, BT] tiles cost the delta rule's pass at
+        # K = 128 16 KB more of shared memory (its pipelined copies), one program an SM
+        # instead of two. The transitions without the delta load K only here.
+        if DELTA or form_qk:
+            b_h1 = tl.dot(tl.trans(b_k1), b_vn, b_h1, input_precision=DOT_PRECISION)
+            if K > BK:
+                b_h2 = tl.dot(tl.trans(b_k2), b_vn, b_h2, input_precision=DOT_PRECISION)
+            if K > 2 * BK:
+                b_h3 = tl.dot(tl.trans(b_k3), b_vn, b_h3, input_precision=DOT_PRECISION)
+            if K > 3 * BK:
+                b_h4 = tl.dot(tl.trans(b_k4), b_vn, b_h4, input_precision=DOT_PRECISION)
+        else:
+            p_kt = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
+            b_h1 = tl.dot(tl.load(p_kt, mask=(o_k < K)[:, None] & m_t[None, :], other=0.),
+                          b_vn, b_h1, input_precision=DOT_PRECISION)
+            if K > BK:
+                b_kt = tl.load(p_kt + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :], other=0.)
+                b_h2 = tl.dot(b_kt, b_vn, b_h2, input_precision=DOT_PRECISION)
+            if K > 2 * BK:
+                b_kt = tl.load(p_kt + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
+                               other=0.)
+                b_h3 = tl.dot(b_kt, b_vn, b_h3, input_precision=DOT_PRECISION)
+            if K > 3 * BK:
+                b_kt = tl.load(p_kt + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
+                               other=0.)
+                b_h4 = tl.dot(b_kt, b_vn, b_h4, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
         p_ht = ht + (i_p.to(tl.int64) * H + i_h) * (K * W) + o_s
@@ -505,8 +527,9 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
         seq_chunks = [cdiv(T, CHUNK)] * B
     else:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
-    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores)).meta["BV"]
-    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False)).meta["BV"]
+    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores,
+                       TRANSITION=False)).meta["BV"]
+    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
                               cdiv(transition_width(K, V, delta), bw), delta)
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_torch import recompute_w_u_fwd_torch
+from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_chunk_size, tile_width
 from fla.utils.backend import Backend, select_backend
@@ -75,7 +76,7 @@ def recompute_w_u_fwd_kernel(
     # Rows and columns past the partial last chunk's end belong to no token: masked off,
     # whatever the caller's A holds there.
     p_A = A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
-    b_A = tl.load(p_A, mask=m_t[:, None] & m_t[None, :], other=0.).to(tl.float32)
+    b_A = load_chunk_rows(p_A, m_t, m_t[:, None] & m_t[None, :]).to(tl.float32)
     # 16-bit operands for tl.dot (fp32 accumulation); casting through fp32 also covers
     # an A stored in bf16 next to fp16 inputs (no direct bf16 -> fp16 on some releases).
     b_A = b_A.to(k.dtype.element_ty)

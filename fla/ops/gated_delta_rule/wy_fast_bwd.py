@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.grid import cdiv
@@ -69,8 +70,8 @@ def prepare_wy_repr_bwd_kernel(
 
     # Tinv is unit lower triangular: reading only the lower part (and valid tokens) keeps
     # whatever the forward left above the diagonal or past the sequence out of the sums.
-    b_T = tl.load(A + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_lower,
-                  other=0.).to(dt)
+    b_T = load_chunk_rows(A + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], m_t,
+                          m_lower).to(dt)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if USE_G:
         b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
