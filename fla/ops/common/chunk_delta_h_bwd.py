@@ -43,8 +43,12 @@ __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_ker
 def _dhu_default(args) -> Config:
     # dS lives in registers as up to four [64, BV] fp32 tiles: with K = 256 and 4 warps,
     # BV = 32 keeps it at 64 registers per thread and leaves room for the operands.
+    # With the vector gate, one stage: its two-stage kernel needs 156 KB of shared memory
+    # at K = 128 (one program an SM); H100, GLA fwd+bwd at 1x8192x96x128 9.47-9.61 ->
+    # 9.14-9.29 ms (2026-11-26; BV = 32 was slower at one or two stages).
+    stages = 1 if args.get("USE_GK") else min(2, max(_dhu_stages(args)))
     return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
-                  num_stages=min(2, max(_dhu_stages(args))))
+                  num_stages=stages)
 
 
 def _dhu_stages(args) -> tuple[int, ...]:
