@@ -58,17 +58,18 @@ MAX_K_FORMING_SCORES = 128
 
 
 def _default(args) -> Config:
-    # Gated delta rule: BV = 64 up to K = 128 for the output pass. H100 (Triton 3.6, bf16,
-    # 2026-11-26), the pass at 1x8192x96x128: 0.72 ms against 0.94 at BV = 32 and 1.17
-    # for the BV = 32 kernel before K's tiles were reused and Ai, Aqk loaded by whole
+    # Gated delta rule: BV = 64 up to K = 128 for the unsplit pass. H100 (Triton 3.6,
+    # bf16, 2026-11-26), the pass at 1x8192x96x128: 0.72 ms against 0.94 at BV = 32 and
+    # 1.17 for the BV = 32 kernel before K's tiles were reused and Ai, Aqk loaded by whole
     # rows (which took it from 115 to 99 KB of shared memory: two programs an SM);
-    # 4x4096x64x128: 0.82 against 1.01 and 1.66. The transitions of a split keep BV = 32
-    # (the launch model was fitted with it). Above K = 128, BV = 32: 2.13 ms at
+    # 4x4096x64x128: 0.82 against 1.01 and 1.66. A split pass (few long sequences) keeps
+    # BV = 32, twice the programs, and the launch model was fitted with it:
+    # 2x16384x16x128 0.79 ms against 1.08 at BV = 64. Above K = 128, BV = 32: 2.13 ms at
     # 8x2048x32x256 against 2.23. Simple GLA (no delta: three dots a chunk, not eight):
     # BV = 64, 0.58 ms at 1x8192x96x128 against 0.78 at BV = 32.
     if args["FORM_AQK"]:
         return Config(BV=64, num_warps=4, num_stages=2)
-    wide = args["K"] <= 128 and not (args["DELTA"] and args["TRANSITION"])
+    wide = args["K"] <= 128 and not (args["DELTA"] and args["SPLIT"])
     return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4, num_stages=2)
 
 
@@ -119,7 +120,7 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
     return b_ks, b_qs, b_qk, b_k
 
 
-@tuned(key=["K", "V", "k", "h0", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK"],
+@tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK"],
        default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
@@ -532,9 +533,9 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
         seq_chunks = [cdiv(T, CHUNK)] * B
     else:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
-    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores,
-                       TRANSITION=False)).meta["BV"]
-    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True)).meta["BV"]
+    # The model compares the split and unsplit pass at the split's tile widths.
+    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, SPLIT=True)).meta["BV"]
+    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, SPLIT=True)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
                               cdiv(transition_width(K, V, delta), bw), delta)
 
