@@ -58,18 +58,21 @@ MAX_K_FORMING_SCORES = 128
 
 
 def _default(args) -> Config:
-    # Gated delta rule: BV = 64 up to K = 128 for the unsplit pass. H100 (Triton 3.6,
-    # bf16, 2026-11-26), the pass at 1x8192x96x128: 0.72 ms against 0.94 at BV = 32 and
-    # 1.17 for the BV = 32 kernel before K's tiles were reused and Ai, Aqk loaded by whole
-    # rows (which took it from 115 to 99 KB of shared memory: two programs an SM);
-    # 4x4096x64x128: 0.82 against 1.01 and 1.66. A split pass (few long sequences) keeps
-    # BV = 32, twice the programs, and the launch model was fitted with it:
-    # 2x16384x16x128 0.79 ms against 1.08 at BV = 64. Above K = 128, BV = 32: 2.13 ms at
-    # 8x2048x32x256 against 2.23. Simple GLA (no delta: three dots a chunk, not eight):
+    # Gated delta rule up to K = 128: BV = 64 where the pass has programs enough without
+    # splitting V further. H100 (Triton 3.6, bf16, 2026-11-26), the pass at 1x8192x96x128:
+    # 0.72 ms against 0.94 at BV = 32 and 1.17 for the BV = 32 kernel before K's tiles
+    # were reused and Ai, Aqk loaded by whole rows (which took it from 115 to 99 KB of
+    # shared memory: two programs an SM); 4x4096x64x128: 0.82 against 1.01 and 1.66; the
+    # split pass's output at 1x65536x8x128: op 1.21 ms against 1.41. BV = 32 where the
+    # unsplit pass would leave most of the GPU idle (FEW_PROGRAMS, set by the launcher):
+    # 2x16384x16x128, 64 programs at BV = 64, 0.79 ms against 1.08; and for a split's
+    # transitions (the launch model was fitted with it). Above K = 128, BV = 32: 2.13 ms
+    # at 8x2048x32x256 against 2.23. Simple GLA (no delta: three dots a chunk, not eight):
     # BV = 64, 0.58 ms at 1x8192x96x128 against 0.78 at BV = 32.
     if args["FORM_AQK"]:
         return Config(BV=64, num_warps=4, num_stages=2)
-    wide = args["K"] <= 128 and not (args["DELTA"] and args["SPLIT"])
+    wide = args["K"] <= 128 and not (
+        args["DELTA"] and (args["TRANSITION"] or args["FEW_PROGRAMS"]))
     return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4, num_stages=2)
 
 
@@ -120,7 +123,8 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
     return b_ks, b_qs, b_qk, b_k
 
 
-@tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK"],
+@tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
+            "FEW_PROGRAMS"],
        default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
@@ -129,7 +133,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
     DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -146,6 +150,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``[M | X]`` goes to ``ht [P, H, K, K + V]``. Without the delta M is the scalar
     ``exp(Σ g)`` over the segment: a transition then runs the K x V state from zeros into
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
+    ``FEW_PROGRAMS`` is read by the tuning layer only (the default tile width).
     """
     AUGMENTED: tl.constexpr = TRANSITION and DELTA
     W: tl.constexpr = K + V if AUGMENTED else V
@@ -533,9 +538,10 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
         seq_chunks = [cdiv(T, CHUNK)] * B
     else:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
-    # The model compares the split and unsplit pass at the split's tile widths.
-    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, SPLIT=True)).meta["BV"]
-    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, SPLIT=True)).meta["BV"]
+    bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, TRANSITION=False,
+                       FEW_PROGRAMS=False)).meta["BV"]
+    bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True,
+                       FEW_PROGRAMS=False)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
                               cdiv(transition_width(K, V, delta), bw), delta)
 
@@ -638,10 +644,16 @@ def chunk_gated_delta_rule_fwd_inter(
         segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,
                                                 form_scores)
     if not segment_chunks:
+        # A hint for the delta rule's tile width (see _default): a pass of 64-column tiles
+        # that would not fill the GPU's program slots once. (Always False without the
+        # delta, where it would only compile a second, identical variant.)
+        few = (Ai is not None
+               and N * H * cdiv(V, 64) < PROGRAMS_PER_SM * multiprocessor_count())
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False, **common)
+            STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False,
+            FEW_PROGRAMS=few, **common)
         return o, final_state
 
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
@@ -652,7 +664,7 @@ def chunk_gated_delta_rule_fwd_inter(
     seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32, device=k.device)
     kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
         h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
-        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True,
+        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=False,
         # The transitions use no scores: one compiled variant (and tuning space) for all.
         **dict(common, FORM_AQK=False, STORE_AQK=False))
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
@@ -663,5 +675,5 @@ def chunk_gated_delta_rule_fwd_inter(
         SCALAR_DECAY=not delta, DOT_PRECISION=dot_precision(torch.float32))
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
-        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, **common)
+        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=False, **common)
     return o, final_state
