@@ -460,7 +460,9 @@ MIN_SEGMENT_CHUNKS = 8
 # its pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
 # folds in the slower output steps of a full wave next to the unsplit pass's). With it:
 # fitted to the delta rule's 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64
-# chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms).
+# chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms), when its
+# output pass ran BV = 32; since 2026-11-26 it runs BV = 64 (half the output programs)
+# and the model's picks measured well: 1x65536x8x128 op 1.59 -> 1.20 ms.
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {False: 0.44, True: 0.7}
 COMBINE_STEP = {False: 2.0, True: 4.0}
@@ -645,8 +647,9 @@ def chunk_gated_delta_rule_fwd_inter(
                                                 form_scores)
     if not segment_chunks:
         # A hint for the delta rule's tile width (see _default): a pass of 64-column tiles
-        # that would not fill the GPU's program slots once. (Always False without the
-        # delta, where it would only compile a second, identical variant.)
+        # that would not fill the GPU's program slots once. A boolean in the tuning key:
+        # packed batches whose sequence count crosses it compile one more variant, once.
+        # (Always False without the delta, where it would only compile an identical one.)
         few = (Ai is not None
                and N * H * cdiv(V, 64) < PROGRAMS_PER_SM * multiprocessor_count())
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
