@@ -6,12 +6,15 @@
                                     [--ops gated_delta_rule,simple_gla]
 
 Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forward +
-backward on CPU tensors, but every launch of a tuned kernel is replaced by an offline compilation with
-``triton.compile`` for ``cuda:<arch>`` (nothing is executed: outputs stay
-uninitialised). For each kernel and config it prints the compile time and, with
-``--resources``, the registers, spills and shared memory cuobjdump reports, and the
-static count of local-memory loads/stores (LDL/STL) in the code. A kernel that fails
-to compile on the installed Triton is reported with the compiler's message.
+backward on CPU tensors, but every launch of a tuned kernel is replaced by an offline
+compilation with ``triton.compile`` for ``cuda:<arch>`` (nothing is executed: outputs
+stay uninitialised), specialised as Triton's JIT would on a GPU. For each kernel and
+config it prints the compile time and, with ``--resources``, the registers and spills
+cuobjdump reports, the (dynamic) shared memory, how many programs fit an SM and what
+limits them, the static count of local-memory loads/stores (LDL/STL) in the code, and the
+scalar 16-bit global loads in the PTX (a tile whose mask cuts its contiguous dimension
+loads element by element). A kernel that fails to compile on the installed Triton is
+reported with the compiler's message.
 
 Why: the CPU interpreter accepts code that the compiler refuses (a module-level global
 inside ``@jit`` is one such case on Triton 3.6), and the cold-start budget (first call
@@ -84,8 +87,25 @@ def signature_of(fn, named: dict) -> tuple[dict, dict, dict]:
     return sig, constexprs, attrs
 
 
-def resource_report(cubin: bytes) -> str:
-    """Registers, spills and shared memory of a compiled kernel (cuobjdump's report)."""
+# sm_90 (H100, H200) per SM: 64K registers (allocated per warp in units of 256), 228 KB
+# of shared memory with 1 KB reserved for each resident block, 64 warps.
+SM_REGISTERS, SM_SHARED, BLOCK_RESERVED, SM_WARPS = 65536, 233472, 1024, 64
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> tuple[int, str]:
+    """How many programs (blocks) of a kernel fit one sm_90 SM, and what limits it."""
+    per_warp = -(-regs * 32 // 256) * 256
+    limits = {"registers": SM_REGISTERS // (per_warp * warps),
+              "shared memory": SM_SHARED // (shared + BLOCK_RESERVED),
+              "warps": SM_WARPS // warps}
+    which = min(limits, key=limits.get)
+    return limits[which], which
+
+
+def resource_report(compiled, warps: int) -> str:
+    """Registers, spills, shared memory and programs an SM of a compiled kernel
+    (cuobjdump's report and Triton's metadata), and its scalar 16-bit global loads."""
+    cubin = compiled.asm["cubin"]
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
@@ -100,13 +120,19 @@ def resource_report(cubin: bytes) -> str:
     ldl, stl = len(re.findall(r"\bLDL\b", sass)), len(re.findall(r"\bSTL\b", sass))
     regs = re.search(r"REG:(\d+)", text)
     stack = re.search(r"STACK:(\d+)", text)
-    smem = re.search(r"SHARED:(\d+)", text)
     spill = re.search(r"LOCAL:(\d+)", text)
     if not regs:
         return "cuobjdump: " + text[-200:]
+    # Triton's shared memory is dynamic: cuobjdump sees only the static 1 KB.
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    fit, limit = programs_per_sm(int(regs.group(1)), shared, warps)
+    # Element-by-element loads of 16-bit data: a tile whose mask changes along its
+    # contiguous dimension (per-token scalars such as beta load this way by nature).
+    scalar16 = len(re.findall(r"ld\.global(?:\.[a-z0-9_:]+)*\.b16\b", compiled.asm["ptx"]))
     return (f"regs {regs.group(1)}, stack {stack.group(1) if stack else '?'} B, "
-            f"local {spill.group(1) if spill else '?'} B, smem {smem.group(1) if smem else '?'} B, "
-            f"LDL/STL {ldl}/{stl}")
+            f"local {spill.group(1) if spill else '?'} B, shared {shared / 1024:.1f} KB, "
+            f"{fit} program{'s' if fit != 1 else ''} an SM ({limit}), LDL/STL {ldl}/{stl}, "
+            f"16-bit scalar loads {scalar16}")
 
 
 class OfflineCompiler:
@@ -155,7 +181,8 @@ class OfflineCompiler:
             return
         seconds = time.perf_counter() - t0
         self.total_s += seconds
-        extra = f" | {resource_report(compiled.asm['cubin'])}" if self.resources else ""
+        extra = (f" | {resource_report(compiled, config.num_warps)}" if self.resources
+                 else "")
         print(f"ok    {seconds:6.2f} s  {label}{extra}", flush=True)
 
 
