@@ -1,0 +1,47 @@
+"""Offline sm_90 builds of the fused forward pass (no GPU needed), held to the two
+properties its speed on H100 rests on (benchmarks/NOTES.md, 2026-11-26):
+
+* two programs fit an SM: at 4 warps the registers allow two, so the pass's shared
+  memory must stay under half an SM's (the delta rule's pass at K = 128 went from 0.72 to
+  1.28 ms when pipelined copies of one more operand took it from 99 to 131 KB);
+* its 64 x 64 tiles load as vectors: a mask that cuts a tile's contiguous dimension
+  makes Triton load it element by element, synchronously (the per-token β of the delta
+  rule, a [T, H] tensor, is the only 16-bit scalar load it may keep).
+
+Runs ``scripts/compile_check.py --resources`` in a subprocess: the tests' process runs
+Triton in the interpreter, which cannot build for a GPU target.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^ok .*chunk_gated_delta_rule_fwd_inter_kernel (Config\(.*?\)) \| .*?"
+                  r"(\d+) programs? an SM \((.*?)\).*16-bit scalar loads (\d+)")
+
+
+def _fused_pass_builds(ops: str) -> list[tuple[str, int, str, int]]:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_check.py"), "--ops", ops,
+         "--shape", "1x200x4x128", "--only", "fwd_inter", "--resources"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    builds = [(m[1], int(m[2]), m[3], int(m[4]))
+              for m in map(LINE.match, proc.stdout.splitlines()) if m]
+    assert builds, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return builds
+
+
+@pytest.mark.parametrize("ops, scalar_loads", [("gated_delta_rule", 2), ("simple_gla", 0)])
+def test_fused_forward_fits_two_programs_an_sm_with_vector_loads(ops, scalar_loads):
+    for config, programs, limit, loads in _fused_pass_builds(ops):
+        assert programs >= 2, f"{ops} {config}: {programs} program an SM ({limit})"
+        assert loads <= scalar_loads, f"{ops} {config}: {loads} scalar 16-bit loads"
