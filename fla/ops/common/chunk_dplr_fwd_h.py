@@ -55,9 +55,15 @@ def state_pass_default(args) -> Config:
 
 
 def state_pass_space(args) -> list[Config]:
+    # Two stages only up to K = 32 (192 KB there). Offline sm_90 builds (Triton 3.6,
+    # bf16; shared memory a program, limit 227 KB) of this pass and of the reverse pass
+    # that shares its space: at K = 64 two stages take 220-252 KB (only BV = 32 at 4
+    # warps fits, one program an SM), at K = 128 292-344 KB, at K = 256 436-536 KB: the
+    # tuning layer compiled them for nothing.
     BK, Vp = tile_width(args["K"], 256), next_power_of_2(args["V"])
+    stages = (1, 2) if args["K"] <= 32 else (1,)
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in (32, 64)
-            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in (1, 2)]
+            if bv <= max(32, Vp) and BK * bv <= 16384 for w in (4, 8) for s in stages]
 
 
 @tuned(key=["K", "V", "q", "h0", "SAVE", "DT", "PRECISION"], default=state_pass_default,
