@@ -46,9 +46,9 @@ def _dhu_default(args) -> Config:
     # With the vector gate, one stage: its two-stage kernel needs 156 KB of shared memory
     # at K = 128 (one program an SM); H100, GLA fwd+bwd at 1x8192x96x128 9.47-9.61 ->
     # 9.14-9.29 ms (2026-11-26; BV = 32 was slower at one or two stages).
-    stages = 1 if args.get("USE_GK") else min(2, max(_dhu_stages(args)))
+    # Without it, two: the fewest stages its space holds (_dhu_stages).
     return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
-                  num_stages=stages)
+                  num_stages=min(_dhu_stages(args)))
 
 
 def _dhu_stages(args) -> tuple[int, ...]:

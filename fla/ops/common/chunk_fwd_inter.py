@@ -475,6 +475,11 @@ _segment_tables: dict = {}
 _segment_lengths: dict = {}
 
 
+def program_slots() -> int:
+    """Programs of the pass resident on the GPU at once (the launch model's wave)."""
+    return PROGRAMS_PER_SM * multiprocessor_count()
+
+
 def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
                transition_tiles: int, delta: bool, slots: int) -> float:
     """The launch model's time of the pass (in output chunk steps) with segments of
@@ -502,7 +507,7 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     worth, the shortest length giving it. Remembered per argument set: the layers of a
     model repeat them.
     """
-    slots = PROGRAMS_PER_SM * multiprocessor_count()
+    slots = program_slots()
     longest = max(seq_chunks)
     if len(seq_chunks) * heads * output_tiles >= slots or longest < 2 * MIN_SEGMENT_CHUNKS:
         return 0
@@ -650,8 +655,7 @@ def chunk_gated_delta_rule_fwd_inter(
         # that would not fill the GPU's program slots once. A boolean in the tuning key:
         # packed batches whose sequence count crosses it compile one more variant, once.
         # (Always False without the delta, where it would only compile an identical one.)
-        few = (Ai is not None
-               and N * H * cdiv(V, 64) < PROGRAMS_PER_SM * multiprocessor_count())
+        few = Ai is not None and N * H * cdiv(V, 64) < program_slots()
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
