@@ -60,20 +60,31 @@ MAX_K_FORMING_SCORES = 128
 def _default(args) -> Config:
     # Gated delta rule up to K = 128: BV = 64 where the pass has programs enough without
     # splitting V further. H100 (Triton 3.6, bf16, 2026-11-26), the pass at 1x8192x96x128:
-    # 0.72 ms against 0.94 at BV = 32 and 1.17 for the BV = 32 kernel before K's tiles
+    # 0.72 ms against 0.95 at BV = 32 and 1.17 for the BV = 32 kernel before K's tiles
     # were reused and Ai, Aqk loaded by whole rows (which took it from 115 to 99 KB of
     # shared memory: two programs an SM); 4x4096x64x128: 0.82 against 1.01 and 1.66; the
-    # split pass's output at 1x65536x8x128: op 1.21 ms against 1.41. BV = 32 where the
-    # unsplit pass would leave most of the GPU idle (FEW_PROGRAMS, set by the launcher):
-    # 2x16384x16x128, 64 programs at BV = 64, 0.79 ms against 1.08; and for a split's
-    # transitions (the launch model was fitted with it). Above K = 128, BV = 32: 2.13 ms
-    # at 8x2048x32x256 against 2.23. Simple GLA (no delta: three dots a chunk, not eight):
-    # BV = 64, 0.58 ms at 1x8192x96x128 against 0.78 at BV = 32.
+    # split pass's output at 1x65536x8x128: op 1.21 ms against 1.41. The pass is bound by
+    # each program's chain of dots a chunk, not by the SM it shares: one 64-column program
+    # an SM (1x8192x64x128, 128 programs) took 0.62 ms, two (96 heads) 0.72. So where
+    # 64-column tiles leave SMs without a second program (FEW_PROGRAMS, set by the
+    # launcher: 1 at most one an SM, 2 at most half an SM), BV = 32 halves each program's
+    # work: 0.46 ms against 0.62 at 1x8192x64x128, 0.13 against 0.16 at 4x2048x16x128,
+    # and where even the 32-column programs leave an SM to one, a third stage (the shared
+    # memory is there): 2x16384x16x128 0.72 against 0.78 at two (1.06 at BV = 64),
+    # 8x1024x8x64 0.051 against 0.057. At 1x8192x80x128 (160 programs) BV = 64 still wins,
+    # 0.66 against 0.90. A split's transitions take BV = 32 (the launch model was fitted
+    # with it). Above K = 128, BV = 32: 2.13 ms at 8x2048x32x256 against 2.23. Simple GLA
+    # (no delta: three dots a chunk, not eight): BV = 64, 0.58 ms at 1x8192x96x128 against
+    # 0.78 at BV = 32.
     if args["FORM_AQK"]:
         return Config(BV=64, num_warps=4, num_stages=2)
-    wide = args["K"] <= 128 and not (
-        args["DELTA"] and (args["TRANSITION"] or args["FEW_PROGRAMS"]))
-    return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4, num_stages=2)
+    if args["K"] > 128:
+        return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
+    few = args["FEW_PROGRAMS"] if args["DELTA"] else 0
+    if args["DELTA"] and args["TRANSITION"]:
+        few = max(few, 1)
+    return Config(BV=tile_width(args["V"], 32 if few else 64), num_warps=4,
+                  num_stages=3 if few >= 2 else 2)
 
 
 def _space(args) -> list[Config]:
@@ -150,7 +161,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``[M | X]`` goes to ``ht [P, H, K, K + V]``. Without the delta M is the scalar
     ``exp(Σ g)`` over the segment: a transition then runs the K x V state from zeros into
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
-    ``FEW_PROGRAMS`` is read by the tuning layer only (the default tile width).
+    ``FEW_PROGRAMS`` (0, 1 or 2, see :func:`grid_fill`) is read by the tuning layer
+    only (the default tile width and stages).
     """
     AUGMENTED: tl.constexpr = TRANSITION and DELTA
     W: tl.constexpr = K + V if AUGMENTED else V
@@ -480,6 +492,18 @@ def program_slots() -> int:
     return PROGRAMS_PER_SM * multiprocessor_count()
 
 
+def grid_fill(programs_at_64: int) -> int:
+    """The unsplit pass's ``FEW_PROGRAMS`` hint from its program count with 64-column
+    tiles: 0 if some SM would hold two, 1 if none would (but a 32-column grid would
+    give some SM two), 2 if even 32-column tiles leave every SM at most one. Three
+    values: a packed batch whose sequence count crosses a bound compiles one more
+    variant, once."""
+    sms = multiprocessor_count()
+    if programs_at_64 > sms:
+        return 0
+    return 1 if 2 * programs_at_64 > sms else 2
+
+
 def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
                transition_tiles: int, delta: bool, slots: int) -> float:
     """The launch model's time of the pass (in output chunk steps) with segments of
@@ -546,9 +570,9 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
     else:
         seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, TRANSITION=False,
-                       FEW_PROGRAMS=False)).meta["BV"]
+                       FEW_PROGRAMS=0)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True,
-                       FEW_PROGRAMS=False)).meta["BV"]
+                       FEW_PROGRAMS=0)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
                               cdiv(transition_width(K, V, delta), bw), delta)
 
@@ -651,11 +675,9 @@ def chunk_gated_delta_rule_fwd_inter(
         segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,
                                                 form_scores)
     if not segment_chunks:
-        # A hint for the delta rule's tile width (see _default): a pass of 64-column tiles
-        # that would not fill the GPU's program slots once. A boolean in the tuning key:
-        # packed batches whose sequence count crosses it compile one more variant, once.
-        # (Always False without the delta, where it would only compile an identical one.)
-        few = Ai is not None and N * H * cdiv(V, 64) < program_slots()
+        # A hint for the delta rule's tile width and stages (see _default). Always 0
+        # without the delta, where it would only compile identical variants.
+        few = grid_fill(N * H * cdiv(V, 64)) if Ai is not None else 0
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
@@ -671,7 +693,7 @@ def chunk_gated_delta_rule_fwd_inter(
     seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32, device=k.device)
     kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
         h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
-        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=False,
+        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=0,
         # The transitions use no scores: one compiled variant (and tuning space) for all.
         **dict(common, FORM_AQK=False, STORE_AQK=False))
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
@@ -682,5 +704,5 @@ def chunk_gated_delta_rule_fwd_inter(
         SCALAR_DECAY=not delta, DOT_PRECISION=dot_precision(torch.float32))
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
-        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=False, **common)
+        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common)
     return o, final_state
