@@ -65,7 +65,7 @@ class Stages:
 def stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
-    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
     from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
@@ -82,9 +82,9 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
                                                                  scale))
         w, u = st("bwd recompute w,u", lambda: recompute_w_u_fwd(k, v, beta, Ai, g_cum))
         h, v_new, _ = st("bwd recompute h", lambda: chunk_gated_delta_rule_fwd_h(k, w, u, g_cum))
-        dv = st("bwd dv_local", lambda: chunk_bwd_dv_local(q, k, do, g_cum, scale))
-        dh, dh0, dv2 = st("bwd dhu", lambda: chunk_gated_delta_rule_bwd_dhu(
-            q, k, w, g_cum, None, None, do, dv, scale))
+        dh, dh0, dv2 = st("bwd dhu (dv_local from Aqk)",
+                          lambda: chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, None, None,
+                                                                 do, None, scale, Aqk=Aqk))
         dq, dk, dw, dg = st("bwd dqkwg", lambda: chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv2,
                                                                  do, dh, scale))
         st("bwd wy", lambda: prepare_wy_repr_bwd(k, v, beta, Ai, dw, dv2, g_cum))

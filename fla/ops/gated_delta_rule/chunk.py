@@ -8,10 +8,12 @@ Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), two kernels:
 with A = strict_lower(diag(β) K Kᵀ ⊙ Γ). The WY factors W, U, the per-chunk states h and
 the new values Vn never reach memory in the forward.
 
-The backward keeps only q, k, v, γ, β, Ai and the initial state, and runs the staged
-algorithm: W, U (``wy_fast``), the per-chunk states h and Vn (``chunk_delta_h``) are
-recomputed, then the reverse state pass and the gradient stages run
-(``fla.ops.common``). Storing h instead would cost [B, NT, H, K, V] per layer.
+The backward keeps only q, k, v, γ, β, Ai, Aqk and the initial state, and runs the
+staged algorithm: W, U (``wy_fast``), the per-chunk states h and Vn (``chunk_delta_h``)
+are recomputed, then the reverse state pass and the gradient stages run
+(``fla.ops.common``). Storing h instead would cost [B, NT, H, K, V] per layer; Aqk,
+64 values a token and head like Ai, lets the reverse pass form dV's in-chunk part
+scale·Aqkᵀ dO itself (no separate kernel, no round trip of it through memory).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
-from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
+from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.common import chunk_torch
 from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
@@ -45,19 +47,19 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     o, final_state = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, beta, Ai, Aqk, scale, initial_state, output_final_state,
         cu_seqlens=cu_seqlens, offsets=offsets)
-    return o, g_cum, Ai, final_state
+    return o, g_cum, Ai, final_state, Aqk
 
 
-def _backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices, do, dht,
-              scale, g_dtype):
+def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices, do,
+              dht, scale, g_dtype):
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, **varlen)
-    dv = chunk_bwd_dv_local(q, k, do, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
-    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv,
-                                                 scale, chunk_size=CHUNK_SIZE, **varlen)
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do,
+                                                 None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
+                                                 **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, **varlen)
     dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
@@ -71,16 +73,16 @@ def _backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
 
 
 # The forward and backward steps as custom ops (torch.compile sees one node each), joined
-# by the autograd formula below. The forward also returns γ and Ai for the backward.
+# by the autograd formula below. The forward also returns γ, Ai and Aqk for the backward.
 _chunk_fwd = stage_op(
     "chunk_gated_delta_rule_fwd", _forward, label="gated_delta_rule.fwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor beta, float scale, "
            "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
-           "Tensor? chunk_indices, int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor)")
+           "Tensor? chunk_indices, int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_gated_delta_rule_bwd", _backward, label="gated_delta_rule.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor beta, Tensor A, "
-           "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, "
+           "Tensor Aqk, Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, "
            "Tensor? dht, float scale, ScalarType? g_dtype) "
            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
@@ -88,20 +90,20 @@ _chunk_bwd = stage_op(
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
         = inputs
-    _, g_cum, A, _ = output
-    ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, initial_state,
-                          cu_seqlens, chunk_indices)
+    _, g_cum, A, _, Aqk = output
+    ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, Aqk,
+                          initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
     ctx.output_final_state = output_final_state
 
 
-def _backward_formula(ctx, do, _dg_cum, _dA, dht):
+def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
-            present(dh0, saved[6] is not None), None, None, None, None)
+            present(dh0, saved[7] is not None), None, None, None, None)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -112,8 +114,8 @@ def _backward_args(args, outputs):
     compile-ahead prefetch during the first forward)."""
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
         = args
-    o, g_cum, A, final_state = outputs
-    return (q, k, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
+    o, g_cum, A, final_state, Aqk = outputs
+    return (q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices,
             torch.empty_like(o), final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
 
@@ -124,7 +126,7 @@ compile_ahead.follow("gated_delta_rule.fwd", "gated_delta_rule.bwd", _backward, 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   chunk_indices, offsets):
     """The Triton path: ``(o, final_state)`` through the custom op."""
-    o, _, _, final_state = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
+    o, _, _, final_state, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
                                       output_final_state, cu_seqlens, chunk_indices, offsets)
     return o, present(final_state, output_final_state)
 
