@@ -245,34 +245,6 @@ def test_split_model_matches_the_measured_pass(monkeypatch):
     assert inter.segment_chunks_for([15], 1, 1, 2, False) == 0
 
 
-# The delta rule's unsplit pass (H100, Triton 3.6, bf16, 2026-11-26): ms of each config
-# (BV, stages; 4 warps) by shape B x T x H x K (K = V).
-MEASURED_PASS_MS = {
-    "1x8192x96x128": {(32, 2): 0.953, (64, 2): 0.720, (64, 3): 1.075},
-    "1x8192x80x128": {(32, 2): 0.901, (64, 2): 0.660, (64, 3): 1.040},
-    "1x8192x64x128": {(32, 2): 0.460, (32, 3): 0.769, (64, 2): 0.624, (64, 3): 0.547},
-    "4x2048x16x128": {(32, 2): 0.126, (32, 3): 0.185, (64, 2): 0.158, (64, 3): 0.132},
-    "8x1024x8x64": {(32, 2): 0.057, (32, 3): 0.051, (64, 2): 0.074, (64, 3): 0.055},
-    "2x16384x16x128": {(32, 2): 0.776, (32, 3): 0.720, (64, 2): 1.060, (64, 3): 0.876},
-}
-
-
-def test_pass_default_follows_the_measured_best(monkeypatch):
-    """The delta rule's default tile width and stages, from the launcher's FEW_PROGRAMS
-    hint, are within 5% of the fastest config measured on an H100 at each shape (the
-    hint once sent 1x8192x96x128 to BV = 32: 0.95 ms against 0.72)."""
-    from fla.ops.common import chunk_fwd_inter as inter
-    monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
-    for shape, times in MEASURED_PASS_MS.items():
-        B, _, H, D = (int(x) for x in shape.split("x"))
-        few = inter.grid_fill(B * H * -(-D // 64))
-        config = inter._default(dict(K=D, V=D, DELTA=True, FORM_AQK=False, TRANSITION=False,
-                                     FEW_PROGRAMS=few))
-        picked = times[(config.meta["BV"], config.num_stages)]
-        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
-        assert config in inter._space(dict(K=D, V=D, DELTA=True, FORM_AQK=False))
-
-
 @pytest.mark.interpret
 def test_inter_without_initial_or_final_state(device, seed):
     p = problem("varlen", generator(seed), device, torch.float32)

@@ -18,11 +18,11 @@ import triton.language as tl
 
 from fla.ops.common.chunk_torch import chunk_gated_delta_rule_fwd_h_torch
 from fla.ops.utils.index import varlen_chunk_offsets
-from fla.ops.utils.tiles import check_chunk_size, tile_width
+from fla.ops.utils.tiles import check_chunk_size, sixteen_bit, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
-from fla.utils.grid import cdiv
-from fla.utils.triton_facts import dot_precision, warp_choices
+from fla.utils.grid import cdiv, grid_fill
+from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -44,28 +44,45 @@ def _default(args) -> Config:
     # registers per thread. BV = 64 up to K = 128 and 32 beyond keeps it at 64 per
     # thread with 4 warps (K = 256: 4 tiles of 64×32), leaving room for the W, K and
     # Vn operand tiles without spilling.
-    width = 64 if args["K"] <= 128 else 32
-    return Config(BV=tile_width(args["V"], width), num_warps=4, num_stages=2)
+    # Up to K = 128, a thin grid (FEW_PROGRAMS, set by the launcher: 1 when no SM would
+    # hold two 64-column programs, 2 when no SM would hold two 32-column ones) takes
+    # deeper pipelines, and at 2 BV = 32: each program's chain of chunks is the bound,
+    # and a lone program has the shared memory. H100 (Triton 3.6, bf16, 2026-11-26), with
+    # W / without: 2x16384x16x128 0.32 / 0.22 ms against 0.59 / 0.41 at the old default
+    # (BV = 64, 2 stages); 4x2048x16x128 (fill 1, 3 stages) 0.077 / 0.055 against 0.095
+    # / 0.075; 1x8192x64x128 0.29 / 0.20 against 0.38 / 0.29. With SMs to share
+    # (1x8192x96x128) two stages stay best: 0.47 / 0.34 ms against 0.51 / 0.34 at three.
+    few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
+    # (At K = 64 the 32-column tiles measured no better: 8x1024x8x64 0.085 ms with W at
+    # four stages against 0.025 at BV = 64.)
+    width = 64 if args["K"] <= 64 or (args["K"] <= 128 and few < 2) else 32
+    BV = tile_width(args["V"], width)
+    return Config(BV=BV, num_warps=4,
+                  num_stages=min((2, 3, 4)[few], max(_stage_counts(args, BV))))
+
+
+def _stage_counts(args, BV: int) -> tuple[int, ...]:
+    # Each pipeline stage buffers one chunk of W and K (BT×K each) and of U (BT×BV) in
+    # shared memory: deeper pipelines than ~170 KB of stage buffers do not fit H100's
+    # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most,
+    # in fp32 one).
+    k = args.get("k")
+    size = k.element_size() if isinstance(k, torch.Tensor) else 2
+    per_stage = args.get("BT", 64) * (2 * args["K"] + BV) * size
+    return tuple(s for s in (1, 2, 3, 4) if s == 1 or s * per_stage <= 170 * 1024)
 
 
 def _space(args) -> list[Config]:
-    # Each pipeline stage buffers one chunk of W and K (BT×K each) and of U (BT×BV) in
-    # shared memory: deeper pipelines than ~170 KB of stage buffers do not fit H100's
-    # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most).
-    k = args.get("k")
-    size = k.element_size() if isinstance(k, torch.Tensor) else 2
     warps = warp_choices(stmatrix_prone=args["K"] > 128)
     configs = []
     for bv in (32, 64):
         BV = tile_width(args["V"], bv)
-        per_stage = args.get("BT", 64) * (2 * args["K"] + BV) * size
-        for s in (1, 2, 3, 4):
-            if s == 1 or s * per_stage <= 170 * 1024:
-                configs += [Config(BV=BV, num_warps=w, num_stages=s) for w in warps]
+        configs += [Config(BV=BV, num_warps=w, num_stages=s)
+                    for s in _stage_counts(args, BV) for w in warps]
     return list(dict.fromkeys(configs))
 
 
-@tuned(key=["K", "V", "BT", "k", "w"], default=_default, space=_space)
+@tuned(key=["K", "V", "BT", "k", "w", "FEW_PROGRAMS"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_h_kernel(
     k, w, u, g, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T,
@@ -73,8 +90,10 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     SAVE_NEW_VALUE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FEW_PROGRAMS: tl.constexpr = 0,
 ):
     """One program per (V tile, head, sequence), looping over the sequence's chunks.
+    ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
 
     The K×BV state is held as up to four BK×BV fp32 accumulators (K ≤ 4·BK = 256): one
     2-D tile per 64 rows keeps every ``tl.dot`` at a 64-wide reduction and lets the
@@ -302,6 +321,7 @@ def chunk_gated_delta_rule_fwd_h(
             USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=output_final_state, SAVE_NEW_VALUE=save_new_value,
             IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),
+            FEW_PROGRAMS=grid_fill(N * H * cdiv(V, 64), multiprocessor_count()),
         )
     if head_first:
         h = h.transpose(1, 2)

@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
-from fla.ops.utils.tiles import check_kernel_device, tile_width
-from fla.utils.grid import cdiv
-from fla.utils.triton_facts import dot_precision, warp_choices
+from fla.ops.utils.tiles import check_kernel_device, sixteen_bit, tile_width
+from fla.utils.grid import cdiv, grid_fill
+from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
@@ -46,9 +46,22 @@ def _dhu_default(args) -> Config:
     # With the vector gate, one stage: its two-stage kernel needs 156 KB of shared memory
     # at K = 128 (one program an SM); H100, GLA fwd+bwd at 1x8192x96x128 9.47-9.61 ->
     # 9.14-9.29 ms (2026-11-26; BV = 32 was slower at one or two stages).
-    # Without it, two: the fewest stages its space holds (_dhu_stages).
-    return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
-                  num_stages=min(_dhu_stages(args)))
+    # Without it, up to K = 128 (H100, Triton 3.6, bf16, 2026-11-26): with W three
+    # stages, 0.69 ms against 0.86 at two (1x8192x96x128), 0.35 against 0.47
+    # (1x8192x64x128); without W two where SMs hold two programs (0.55 against 0.69 at
+    # three), three where the grid is thin (FEW_PROGRAMS, from the launcher, see
+    # fla.utils.grid.grid_fill; 0.39 against 0.43 at 1x8192x64x128). Where even 32-column
+    # programs leave each SM one (FEW_PROGRAMS = 2), BV = 32: 2x16384x16x128 0.53 ms
+    # against 0.79 (with W) and 0.53 against 0.67 (without, 8 warps; 0.61 at 4).
+    # Above K = 128 and for fp32 operands, the fewest stages its space holds.
+    few = args.get("FEW_PROGRAMS", 0)
+    if args.get("USE_GK") or args["K"] > 128 or not sixteen_bit(args):
+        return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
+                      num_stages=min(_dhu_stages(args)))
+    thin = few == 2
+    return Config(BV=tile_width(args["V"], 32 if thin else 64),
+                  num_warps=8 if thin and not args["USE_W"] else 4,
+                  num_stages=3 if args["USE_W"] or few else 2)
 
 
 def _dhu_stages(args) -> tuple[int, ...]:
@@ -86,7 +99,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
 
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "FEW_PROGRAMS"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -97,8 +110,10 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
+    FEW_PROGRAMS: tl.constexpr = 0,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
+    ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
 
     dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
     a K × BV block cannot be one tile for K up to 256 without spilling.
@@ -425,6 +440,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else {}),
+        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else
+           # (0 with the vector gate, whose defaults do not read it.)
+           dict(FEW_PROGRAMS=grid_fill(N * H * cdiv(V, 64), multiprocessor_count()))),
     )
     return dh, dh0, dv2

@@ -45,8 +45,8 @@ import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
-from fla.ops.utils.tiles import tile_width
-from fla.utils.grid import cdiv
+from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.utils.grid import cdiv, grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
@@ -84,7 +84,7 @@ def _default(args) -> Config:
     if args["DELTA"] and args["TRANSITION"]:
         few = max(few, 1)
     return Config(BV=tile_width(args["V"], 32 if few else 64), num_warps=4,
-                  num_stages=3 if few >= 2 else 2)
+                  num_stages=3 if few >= 2 and sixteen_bit(args) else 2)
 
 
 def _space(args) -> list[Config]:
@@ -161,8 +161,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``[M | X]`` goes to ``ht [P, H, K, K + V]``. Without the delta M is the scalar
     ``exp(Σ g)`` over the segment: a transition then runs the K x V state from zeros into
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
-    ``FEW_PROGRAMS`` (0, 1 or 2, see :func:`grid_fill`) is read by the tuning layer
-    only (the default tile width and stages).
+    ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`) is read by the tuning
+    layer only (the default tile width and stages).
     """
     AUGMENTED: tl.constexpr = TRANSITION and DELTA
     W: tl.constexpr = K + V if AUGMENTED else V
@@ -492,18 +492,6 @@ def program_slots() -> int:
     return PROGRAMS_PER_SM * multiprocessor_count()
 
 
-def grid_fill(programs_at_64: int) -> int:
-    """The unsplit pass's ``FEW_PROGRAMS`` hint from its program count with 64-column
-    tiles: 0 if some SM would hold two, 1 if none would (but a 32-column grid would
-    give some SM two), 2 if even 32-column tiles leave every SM at most one. Three
-    values: a packed batch whose sequence count crosses a bound compiles one more
-    variant, once."""
-    sms = multiprocessor_count()
-    if programs_at_64 > sms:
-        return 0
-    return 1 if 2 * programs_at_64 > sms else 2
-
-
 def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
                transition_tiles: int, delta: bool, slots: int) -> float:
     """The launch model's time of the pass (in output chunk steps) with segments of
@@ -677,7 +665,7 @@ def chunk_gated_delta_rule_fwd_inter(
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
         # without the delta, where it would only compile identical variants.
-        few = grid_fill(N * H * cdiv(V, 64)) if Ai is not None else 0
+        few = grid_fill(N * H * cdiv(V, 64), multiprocessor_count()) if Ai is not None else 0
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
-from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.ops.utils.tiles import check_kernel_device, sixteen_bit, tile_width
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -35,10 +35,13 @@ __all__ = ["prepare_wy_repr_bwd", "prepare_wy_repr_bwd_kernel"]
 def _wy_default(args) -> Config:
     # Tinv, dTinv and K Kᵀ are three BT×BT fp32 tiles held across the loops: [BT, 64]
     # operand tiles and 4 warps keep the program inside the H100 register file.
-    # K = 256: 3 stages (FLA_TUNE=1 on H100, Triton 3.6, bf16, 2026-11-24: 0.132 -> 0.113
-    # ms at 4x4096x4x256, 0.986 -> 0.815 at 8x2048x32x256).
+    # 3 stages (H100, Triton 3.6, bf16): K = 256 0.132 -> 0.113 ms at
+    # 4x4096x4x256, 0.986 -> 0.815 at 8x2048x32x256 (FLA_TUNE=1, 2026-11-24); K = 128
+    # 0.79 -> 0.68 at 1x8192x96x128, 0.52 -> 0.45 at 2x16384x16x128, 0.138 -> 0.121 at
+    # 4x2048x16x128; K = 64 even at 8x1024x8x64 (config sweeps, 2026-11-26). fp32
+    # operands below K = 256 keep two (twice the shared memory a stage).
     return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64), num_warps=4,
-                  num_stages=3 if args["K"] >= 256 else 2)
+                  num_stages=3 if args["K"] >= 256 or sixteen_bit(args) else 2)
 
 
 def _wy_space(args) -> list[Config]:

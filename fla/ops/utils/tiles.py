@@ -32,3 +32,11 @@ def check_kernel_device(*tensors: torch.Tensor | None) -> None:
         if t is not None and not t.is_cuda:
             raise ValueError("chunk backward stages run Triton kernels: expected CUDA tensors "
                              f"(or TRITON_INTERPRET=1 for CPU tensors), got a tensor on {t.device}")
+
+
+def sixteen_bit(args, name: str = "k") -> bool:
+    """Whether a tuning default's operand ``args[name]`` is a 16-bit tensor (absent: the
+    usual bf16 is assumed). fp32 operands take twice the shared memory a pipeline stage,
+    so the deeper pipelines measured for bf16 do not fit them."""
+    t = args.get(name)
+    return not isinstance(t, torch.Tensor) or t.element_size() == 2

@@ -1,0 +1,145 @@
+"""The tuning defaults of the chunk kernels' sequential passes against H100 sweeps.
+
+Each table holds a kernel's measured times (H100, Triton 3.6, bf16, 2026-11-26; ms, by
+shape B x T x H x K with K = V) for the config its default picks, the fastest of its
+space and the default before that day; a default must stay within 5% of the fastest.
+The rules read the launcher's ``FEW_PROGRAMS`` hint (:func:`fla.utils.grid.grid_fill`),
+computed here for a 132-SM H100.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fla.utils.grid import grid_fill
+
+SMS = 132
+BF16 = torch.empty(1, dtype=torch.bfloat16)
+FP32 = torch.empty(1, dtype=torch.float32)
+
+# The fused forward pass with the delta (chunk_fwd_inter): (BV, stages) at 4 warps.
+PASS_MS = {
+    "1x8192x96x128": {(32, 2): 0.953, (64, 2): 0.720, (64, 3): 1.075},
+    "1x8192x80x128": {(32, 2): 0.901, (64, 2): 0.660, (64, 3): 1.040},
+    "1x8192x64x128": {(32, 2): 0.460, (32, 3): 0.769, (64, 2): 0.624, (64, 3): 0.547},
+    "4x2048x16x128": {(32, 2): 0.126, (32, 3): 0.185, (64, 2): 0.158, (64, 3): 0.132},
+    "8x1024x8x64": {(32, 2): 0.057, (32, 3): 0.051, (64, 2): 0.074, (64, 3): 0.055},
+    "2x16384x16x128": {(32, 2): 0.776, (32, 3): 0.720, (64, 2): 1.060, (64, 3): 0.876},
+}
+
+# The state pass (chunk_delta_h, "W": the delta rule's, else simple GLA's) and its
+# reverse (chunk_delta_h_bwd): (BV, warps, stages); the WY backward: (BK, BV, warps,
+# stages).
+STAGE_MS = {
+    "fwd_h W": {
+        "1x8192x96x128": {(64, 4, 2): 0.468},
+        "1x8192x64x128": {(64, 4, 2): 0.383, (64, 4, 3): 0.287},
+        "4x2048x16x128": {(64, 4, 2): 0.095, (64, 4, 3): 0.077},
+        "2x16384x16x128": {(32, 4, 4): 0.318, (64, 4, 2): 0.593},
+        "8x1024x8x64": {(32, 2, 4): 0.025, (64, 4, 2): 0.038, (64, 4, 4): 0.025},
+    },
+    "fwd_h": {
+        "1x8192x96x128": {(64, 4, 2): 0.337},
+        "1x8192x64x128": {(64, 4, 2): 0.287, (64, 4, 3): 0.203, (64, 4, 4): 0.197},
+        "4x2048x16x128": {(64, 4, 2): 0.075, (64, 4, 3): 0.055, (64, 4, 4): 0.054},
+        "2x16384x16x128": {(32, 4, 4): 0.217, (32, 8, 4): 0.215, (64, 4, 2): 0.407},
+        "8x1024x8x64": {(32, 4, 4): 0.018, (64, 4, 2): 0.05, (64, 4, 4): 0.018},
+    },
+    "dhu W": {
+        "1x8192x96x128": {(64, 4, 2): 0.86, (64, 4, 3): 0.687},
+        "1x8192x64x128": {(64, 4, 2): 0.467, (64, 4, 3): 0.353},
+        "4x2048x16x128": {(64, 4, 2): 0.125, (64, 4, 3): 0.097},
+        "2x16384x16x128": {(32, 4, 3): 0.525, (64, 4, 2): 0.792},
+        "8x1024x8x64": {(32, 4, 3): 0.033, (64, 4, 2): 0.05},
+    },
+    "dhu": {
+        "1x8192x96x128": {(64, 4, 2): 0.554},
+        "1x8192x64x128": {(64, 4, 2): 0.425, (64, 4, 3): 0.386},
+        "4x2048x16x128": {(64, 4, 2): 0.109, (64, 4, 3): 0.101},
+        "2x16384x16x128": {(32, 8, 3): 0.526, (64, 4, 2): 0.672},
+        "8x1024x8x64": {(32, 8, 3): 0.036, (64, 4, 2): 0.045},
+    },
+    "wy": {
+        "1x8192x96x128": {(64, 64, 4, 2): 0.787, (64, 64, 4, 3): 0.684},
+        "1x8192x64x128": {(64, 64, 4, 2): 0.527, (64, 64, 4, 3): 0.455},
+        "4x2048x16x128": {(64, 64, 4, 2): 0.138, (64, 64, 4, 3): 0.121},
+        "2x16384x16x128": {(64, 64, 4, 2): 0.516, (64, 64, 4, 3): 0.452},
+        "8x1024x8x64": {(64, 64, 4, 2): 0.044, (64, 64, 4, 3): 0.044},
+    },
+}
+
+
+def _dims(shape: str):
+    B, _, H, D = (int(x) for x in shape.split("x"))
+    return D, grid_fill(B * H * -(-D // 64), SMS)
+
+
+def _pick(kernel: str, D: int, few: int, k=BF16):
+    from fla.ops.common import chunk_delta_h, chunk_delta_h_bwd
+    from fla.ops.gated_delta_rule import wy_fast_bwd
+
+    with_w = kernel.endswith(" W")
+    if kernel.startswith("fwd_h"):
+        args = dict(K=D, V=D, BT=64, k=k, w=k if with_w else None, FEW_PROGRAMS=few)
+        return chunk_delta_h._default(args), chunk_delta_h._space(args)
+    if kernel.startswith("dhu"):
+        args = dict(K=D, V=D, BT=64, k=k, USE_W=with_w, USE_GK=False, FEW_PROGRAMS=few)
+        return chunk_delta_h_bwd._dhu_default(args), chunk_delta_h_bwd._dhu_space(args)
+    args = dict(K=D, V=D, BT=64, k=k, A=k, USE_G=True)
+    return wy_fast_bwd._wy_default(args), wy_fast_bwd._wy_space(args)
+
+
+def _entry(kernel: str, config) -> tuple:
+    if kernel == "wy":
+        return (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
+    return (config.meta["BV"], config.num_warps, config.num_stages)
+
+
+def test_forward_pass_default_follows_the_measured_best():
+    """The delta rule's fused pass (the hint once sent 1x8192x96x128's 192 programs to
+    BV = 32: 0.95 ms against 0.72)."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    for shape, times in PASS_MS.items():
+        D, few = _dims(shape)
+        args = dict(K=D, V=D, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=False,
+                    FEW_PROGRAMS=few)
+        config = inter._default(args)
+        picked = times[(config.meta["BV"], config.num_stages)]
+        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
+        assert config in inter._space(args)
+
+
+@pytest.mark.parametrize("kernel", list(STAGE_MS))
+def test_state_pass_defaults_follow_the_measured_best(kernel):
+    for shape, times in STAGE_MS[kernel].items():
+        D, few = _dims(shape)
+        config, space = _pick(kernel, D, few)
+        picked = times[_entry(kernel, config)]
+        assert picked <= 1.05 * min(times.values()), (kernel, shape, config, picked)
+        assert config in space, (kernel, shape, config)
+
+
+@pytest.mark.parametrize("kernel", list(STAGE_MS))
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("few", [0, 1, 2])
+def test_defaults_stay_in_their_space_for_every_dtype(kernel, D, few):
+    """The deeper pipelines are for 16-bit operands: with fp32 (twice the shared memory
+    a stage) every default is still a config of the space, which holds only those that
+    fit."""
+    for k in (BF16, FP32):
+        config, space = _pick(kernel, D, few, k)
+        if kernel.startswith("fwd_h"):
+            assert config in space, (kernel, D, few, k.dtype, config)
+        else:
+            assert config.num_stages <= max(c.num_stages for c in space)
+        if k is FP32:
+            assert config.num_stages <= (3 if D >= 256 and kernel == "wy" else 2)
+
+
+def test_grid_fill():
+    assert grid_fill(192, SMS) == 0      # 1x8192x96 heads: two programs on some SMs
+    assert grid_fill(133, SMS) == 0
+    assert grid_fill(132, SMS) == 1      # one a SM at BV = 64, two on some at BV = 32
+    assert grid_fill(67, SMS) == 1
+    assert grid_fill(66, SMS) == 2       # at most one a SM even at BV = 32
+    assert grid_fill(1, SMS) == 2
