@@ -57,13 +57,18 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_ind
     w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, **varlen)
+    # Each intermediate is dropped once its last stage has run: the step's peak memory
+    # (during chunk_bwd_dqkwg) then holds no U, and the WY stage no h, Vn, dh or W.
+    del u
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do,
                                                  None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
                                                  **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, **varlen)
+    del h, v_new, dh, w
     dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
-    dk = dk + dk_wy
+    dk += dk_wy   # dk is this step's own buffer
+    del dk_wy
     if g_cum is not None:
         # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
         dg = chunk_local_cumsum(dg + dg_wy, CHUNK_SIZE, reverse=True, output_dtype=g_dtype,
