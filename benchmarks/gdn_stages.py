@@ -63,7 +63,6 @@ class Stages:
 
 
 def stage_times(x, quick: bool) -> tuple[dict, dict]:
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -80,8 +79,13 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
         g_cum, Ai, Aqk = st("fwd intra", lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta))
         st("fwd inter", lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk,
                                                                  scale))
-        w, u = st("bwd recompute w,u", lambda: recompute_w_u_fwd(k, v, beta, Ai, g_cum))
-        h, v_new, _ = st("bwd recompute h", lambda: chunk_gated_delta_rule_fwd_h(k, w, u, g_cum))
+        B, T, H, D = x["B"], x["T"], x["H"], x["D"]
+        h = k.new_empty(B, -(-T // 64), H, D, D)
+        v_new = torch.empty_like(v)
+        st("bwd states (h, Vn)", lambda: chunk_gated_delta_rule_fwd_inter(
+            None, k, v, g_cum, beta, Ai, None, scale, states_out=(h, v_new)))
+        w, _ = st("bwd recompute w", lambda: recompute_w_u_fwd(k, v, beta, Ai, g_cum,
+                                                               with_u=False))
         dh, dh0, dv2 = st("bwd dhu (dv_local from Aqk)",
                           lambda: chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, None, None,
                                                                  do, None, scale, Aqk=Aqk))

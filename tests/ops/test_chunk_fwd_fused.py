@@ -151,6 +151,51 @@ def test_inter_split_into_segments(device, seed, dtype, case, segment_chunks):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["T130_K_ne_V", "varlen", "T300_split", "varlen_split"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_inter_stores_the_states_of_the_staged_pass(device, seed, dtype, case, gated):
+    """With ``states_out`` (the delta rule's backward) the pass stores every chunk's
+    entering state h and Vn = Ai β(V − e^γ K S): the staged state pass's h and U − W S,
+    here from float64 W and U; unsplit and cut into segments, varlen included."""
+    from fla.ops.common.chunk_torch import (chunk_gated_delta_rule_fwd_h_torch,
+                                            recompute_w_u_fwd_torch)
+    gen = generator(seed)
+    split = case.endswith("_split")
+    if case == "T300_split":
+        p = make_problem(gen, device, B=2, T=300, H=1, K=48, V=32, dtype=dtype)
+    elif case == "varlen_split":
+        p = make_problem(gen, device, B=1, T=0, H=2, K=32, V=32, dtype=dtype,
+                         lengths=uneven_lengths(3, gen, low=1, high=300))
+    else:
+        p = problem(case, gen, device, dtype)
+    gc = p["gc"] if gated else None
+    Ai = ref_tinv(ref_kkt(p["k"], p["beta"], gc, p["offsets"], 64), p["offsets"], 64)
+    k64, v64, b64 = (p[n].to(F64) for n in ("k", "v", "beta"))
+    gc64 = None if gc is None else gc.to(F64)
+    w, u = recompute_w_u_fwd_torch(k64, v64, b64, Ai, gc64, p["offsets"], 64)
+    h_ref, vn_ref, _ = chunk_gated_delta_rule_fwd_h_torch(
+        k64, w, u, gc64, p["h0"].to(F64), False, p["offsets"], 64)
+    h = torch.empty(h_ref.shape, dtype=dtype, device=device)
+    v_new = torch.empty_like(p["v"])
+    o, ht = chunk_gated_delta_rule_fwd_inter(
+        None, p["k"], p["v"], f32(gc) if gated else None, p["beta"], Ai.to(dtype), None, 1.0,
+        p["h0"], True, cu_seqlens=p["cu_seqlens"], offsets=p["offsets"],
+        segment_chunks=1 if split else 0, states_out=(h, v_new))
+    assert o is None
+    assert_rel_close("h", h, h_ref, tol(dtype))
+    assert_rel_close("v_new", v_new, vn_ref, tol(dtype))
+    g = p["g"] if gated else torch.zeros_like(p["g"])
+    _, ht_ref = recurrence_loop(p["q"], p["k"], p["v"], g, p["beta"], p["scale"], p["h0"],
+                                p["offsets"])
+    assert_rel_close("final_state", ht, ht_ref, tol(dtype))
+    with pytest.raises(ValueError, match="states_out"):
+        chunk_gated_delta_rule_fwd_inter(
+            None, p["k"], p["v"], None, p["beta"], Ai.to(dtype), None, 1.0,
+            cu_seqlens=p["cu_seqlens"], offsets=p["offsets"], states_out=(h[:, :-1], v_new))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES) + ["T300_split", "wide", "wide_varlen_split"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):

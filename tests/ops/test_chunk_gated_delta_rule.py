@@ -53,6 +53,25 @@ def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("varlen", [False, True])
+def test_chunk_backward_through_either_state_pass(device, seed, monkeypatch, varlen):
+    """The backward recomputes h and Vn with the forward's pass on a full grid and with
+    the staged pass over W and U on a thin one (the interpreter's one 'SM' always takes
+    the former): both give the float64 loop's gradients."""
+    from fla.ops.gated_delta_rule import chunk as gdn_chunk
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=140) if varlen else None
+    T = sum(lengths) if varlen else odd_length(gen, low=65, high=150)
+    for from_pass in (True, False):
+        monkeypatch.setattr(gdn_chunk, "_states_from_the_forward_pass",
+                            lambda *args, v=from_pass: v)
+        inputs = make_inputs(gen, B=1 if varlen else 2, T=T, H=2, HV=2, K=16, V=32,
+                             N=len(lengths) if varlen else None)
+        compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen,
+                cu_seqlens=cu_seqlens_of(lengths, device) if varlen else None)
+
+
+@pytest.mark.interpret
 def test_chunk_l2norm_scale_and_head_first(device, seed):
     gen = generator(seed)
     inputs = make_inputs(gen, B=1, T=odd_length(gen, 65, 130), H=1, HV=1, K=16, V=16,

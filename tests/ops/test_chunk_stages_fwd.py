@@ -276,6 +276,11 @@ def test_recompute_w_u(device, seed, dtype, case, gated):
                           p["offsets"], p["BT"])
     assert_rel_close("w", w, ref_w, tol(dtype))
     assert_rel_close("u", u, ref_u, tol(dtype))
+    # W alone (the delta rule's backward): the same W, no U.
+    w_only, none = recompute_w_u_fwd(p["k"], p["v"], p["beta"], Tinv, g=gc,
+                                     cu_seqlens=p["cu_seqlens"], with_u=False)
+    assert none is None
+    assert_rel_close("w (with_u=False)", w_only, ref_w, tol(dtype))
 
 
 @pytest.mark.interpret

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
+from fla.ops.utils.index import varlen_chunk_offsets
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
@@ -83,8 +84,11 @@ def _default(args) -> Config:
     few = args["FEW_PROGRAMS"] if args["DELTA"] else 0
     if args["DELTA"] and args["TRANSITION"]:
         few = max(few, 1)
+    # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
+    # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
+    deep = few >= 2 or args.get("STATES_ONLY", False)
     return Config(BV=tile_width(args["V"], 32 if few else 64), num_warps=4,
-                  num_stages=3 if few >= 2 and sixteen_bit(args) else 2)
+                  num_stages=3 if deep and sixteen_bit(args) else 2)
 
 
 def _space(args) -> list[Config]:
@@ -135,7 +139,7 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
 
 
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
-            "FEW_PROGRAMS"],
+            "FEW_PROGRAMS", "STATES_ONLY"],
        default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
@@ -145,6 +149,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, TRANSITION: tl.constexpr,
     DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr,
+    h=None, v_new=None, chunk_offsets=None, STATES_ONLY: tl.constexpr = False,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -163,6 +168,10 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
     ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`) is read by the tuning
     layer only (the default tile width and stages).
+    With ``STATES_ONLY`` (the delta, no transition) the pass computes no output: it stores
+    each chunk's entering state to ``h [B, NT, H, K, V]`` (``[1, NT_total, ...]`` with
+    varlen, sequence n's chunks from ``chunk_offsets[n]``) and Vn to ``v_new [B, T, H, V]``
+    (what the backward's staged ``chunk_delta_h`` would recompute from W and U).
     """
     AUGMENTED: tl.constexpr = TRANSITION and DELTA
     W: tl.constexpr = K + V if AUGMENTED else V
@@ -182,6 +191,12 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         bos = i_n.to(tl.int64) * T
     if not SPLIT:
         end = tl.cdiv(T, BT)
+    if STATES_ONLY:
+        # Index of the sequence's first chunk in h.
+        if IS_VARLEN:
+            boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+        else:
+            boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -226,13 +241,22 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         if K > 3 * BK:
             b_h4 += tl.load(p_h0 + 3 * BK * W, mask=m_s4, other=0.).to(tl.float32)
 
-    for_out: tl.constexpr = not TRANSITION
+    for_out: tl.constexpr = not TRANSITION and not STATES_ONLY
     form_qk: tl.constexpr = FORM_AQK and not TRANSITION
     b_log_decay = tl.zeros([], dtype=tl.float32)   # Σ g over a transition's chunks
     for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
         p_qk = (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
+        if STATES_ONLY:
+            p_h = h + ((boh + i_t) * H + i_h) * (K * W) + o_s
+            tl.store(p_h, b_h1.to(h.dtype.element_ty), mask=m_s1)
+            if K > BK:
+                tl.store(p_h + BK * W, b_h2.to(h.dtype.element_ty), mask=m_s2)
+            if K > 2 * BK:
+                tl.store(p_h + 2 * BK * W, b_h3.to(h.dtype.element_ty), mask=m_s3)
+            if K > 3 * BK:
+                tl.store(p_h + 3 * BK * W, b_h4.to(h.dtype.element_ty), mask=m_s4)
 
         # K S (and Q S for the output), one 64-row tile of the state at a time.
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
@@ -265,7 +289,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             # γ is chunk-local and ≤ 0 for decays: exp(γ) ≤ 1 needs no difference trick.
             b_g = tl.load(g_cum + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             b_eg = tl.exp(b_g)
-            if not TRANSITION:
+            if for_out:
                 b_qs *= b_eg[:, None]
         if DELTA:
             # Vn = Ai · β(V − e^γ K S): the residual is formed in fp32 before the one cast,
@@ -278,8 +302,11 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                           input_precision=DOT_PRECISION)
         else:
             b_vn = b_v
+        if STATES_ONLY:
+            tl.store(v_new + p_tv, b_vn.to(v_new.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
 
-        if not TRANSITION:
+        if for_out:
             if FORM_AQK:
                 b_aqk = gate_causal_scores(b_qk, m_t, b_g if USE_G else None, BT,
                                            USE_G).to(k.dtype.element_ty)
@@ -601,7 +628,8 @@ def chunk_gated_delta_rule_fwd_inter(
     offsets: list[int] | None = None,
     segment_chunks: int | None = None,
     scores_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    states_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
 
@@ -622,15 +650,22 @@ def chunk_gated_delta_rule_fwd_inter(
         scores_out: with Aqk None, a ``[B, T, H, 64]`` tensor in k's dtype that receives
             the scores the pass forms (what ``chunk_fwd_intra`` would have written as
             Aqk), for a backward; None: they are not kept.
+        states_out: ``(h, v_new)`` for the delta rule's backward: contiguous ``h [B, NT,
+            H, K, V]`` (``[1, NT_total, H, K, V]`` with cu_seqlens) and ``v_new`` like v,
+            both in k's dtype, receive each chunk's entering state and Vn = Ai β(V − e^γ
+            K S) (U − W S of the WY form, with no W or U formed); the output is then not
+            computed (q, Aqk and scale are unused, o is None).
 
     Returns:
-        ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype; ``final_state
-        [N, H, K, V]`` float32 or None.
+        ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype (None with
+        ``states_out``); ``final_state [N, H, K, V]`` float32 or None.
     """
-    if Aqk is None and Ai is not None:
+    if states_out is not None and Ai is None:
+        raise ValueError("states_out is for the delta rule's pass (Ai given)")
+    if Aqk is None and Ai is not None and states_out is None:
         raise ValueError("the delta rule's pass needs the intra-chunk Aqk (only simple GLA "
                          "forms it in the pass)")
-    if Aqk is None and k.shape[-1] > MAX_K_FORMING_SCORES:
+    if Aqk is None and k.shape[-1] > MAX_K_FORMING_SCORES and states_out is None:
         raise ValueError(f"the pass forms its own scores only for K <= "
                          f"{MAX_K_FORMING_SCORES} (got K = {k.shape[-1]}): pass Aqk")
     if scores_out is not None and Aqk is not None:
@@ -641,10 +676,23 @@ def chunk_gated_delta_rule_fwd_inter(
         offsets = list(range(0, B * T + 1, T))
     N = len(offsets) - 1
     varlen = cu_seqlens is not None
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if states_out is None else None
+    states = {}
+    if states_out is not None:
+        h, v_new = states_out
+        NT = sum(cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
+        h_shape = (1, NT, H, K, V) if varlen else (B, NT // B, H, K, V)
+        for name, t, shape in (("h", h, h_shape), ("v_new", v_new, tuple(v.shape))):
+            if (tuple(t.shape) != shape or t.dtype != k.dtype or not t.is_contiguous()
+                    or t.device != k.device):
+                raise ValueError(f"states_out: {name} must be a contiguous {list(shape)} "
+                                 f"{k.dtype} tensor on {k.device}, got {list(t.shape)} "
+                                 f"{t.dtype} on {t.device}")
+        states = dict(h=h, v_new=v_new, STATES_ONLY=True, chunk_offsets=(
+            varlen_chunk_offsets(cu_seqlens, CHUNK, offsets) if varlen else None))
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                    if output_final_state else None)
-    form_scores = Aqk is None
+    form_scores = Aqk is None and states_out is None
     if scores_out is not None:
         if (scores_out.shape != (B, T, H, CHUNK) or scores_out.dtype != k.dtype
                 or not scores_out.is_contiguous() or scores_out.device != k.device):
@@ -670,7 +718,7 @@ def chunk_gated_delta_rule_fwd_inter(
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False,
-            FEW_PROGRAMS=few, **common)
+            FEW_PROGRAMS=few, **common, **states)
         return o, final_state
 
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
@@ -692,5 +740,6 @@ def chunk_gated_delta_rule_fwd_inter(
         SCALAR_DECAY=not delta, DOT_PRECISION=dot_precision(torch.float32))
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
-        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common)
+        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common,
+        **states)
     return o, final_state

@@ -8,22 +8,28 @@ Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), two kernels:
 with A = strict_lower(diag(β) K Kᵀ ⊙ Γ). The WY factors W, U, the per-chunk states h and
 the new values Vn never reach memory in the forward.
 
-The backward keeps only q, k, v, γ, β, Ai, Aqk and the initial state, and runs the
-staged algorithm: W, U (``wy_fast``), the per-chunk states h and Vn (``chunk_delta_h``)
-are recomputed, then the reverse state pass and the gradient stages run
-(``fla.ops.common``). Storing h instead would cost [B, NT, H, K, V] per layer; Aqk,
-64 values a token and head like Ai, lets the reverse pass form dV's in-chunk part
-scale·Aqkᵀ dO itself (no separate kernel, no round trip of it through memory).
+The backward keeps only q, k, v, γ, β, Ai, Aqk and the initial state. It recomputes the
+per-chunk states h and Vn, with the forward's own pass storing them instead of the output
+(``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ K S), no U formed) where the
+grid is full or the pass splits sequences, else with the staged pass over the WY factors
+W, U (``wy_fast``, ``chunk_delta_h``); then the reverse state pass and the gradient
+stages (``fla.ops.common``, ``wy_fast_bwd``).
+Storing h instead would cost [B, NT, H, K, V] per layer; Aqk, 64 values a token and head
+like Ai, lets the reverse pass form dV's in-chunk part scale·Aqkᵀ dO itself (no separate
+kernel, no round trip of it through memory).
 """
 from __future__ import annotations
 
 import torch
 
-from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.common import chunk_torch
-from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.common.chunk_fwd_inter import (
+    chunk_gated_delta_rule_fwd_inter,
+    default_segment_chunks,
+)
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
@@ -36,6 +42,8 @@ from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
+from fla.utils.grid import cdiv, grid_fill
+from fla.utils.triton_facts import multiprocessor_count
 
 CHUNK_SIZE = 64
 
@@ -50,21 +58,48 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     return o, g_cum, Ai, final_state, Aqk
 
 
-def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices, do,
-              dht, scale, g_dtype):
+def _states_from_the_forward_pass(k, v, offsets) -> bool:
+    """Whether the backward recomputes h and Vn with the forward's own pass (storing them
+    instead of the output) rather than the staged pass over W and U. The forward's pass
+    moves less (no U; 0.53 + 0.20 ms for the pass and W against 0.36 + 0.47 for W, U and
+    the staged pass at 1x8192x96x128 on H100) but chains one more dot a chunk, which a
+    thin grid feels: 0.60 + 0.13 against 0.24 + 0.31 at 2x16384x16x128. So: where some SM
+    holds two programs, or where the pass would split few long sequences into segments
+    (1x65536x8x128: 0.88 + 0.14 ms), which the staged pass cannot."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    n = B if offsets is None else len(offsets) - 1
+    return (grid_fill(n * H * cdiv(V, 64), multiprocessor_count()) == 0
+            or default_segment_chunks(offsets, B, T, H, K, V, True, False) > 0)
+
+
+def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices,
+              offsets, do, dht, scale, g_dtype):
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
-                                               chunk_size=CHUNK_SIZE, **varlen)
-    # Each intermediate is dropped once its last stage has run: the step's peak memory
-    # (during chunk_bwd_dqkwg) then holds no U, and the WY stage no h, Vn, dh or W.
-    del u
+    if _states_from_the_forward_pass(k, v, offsets):
+        B, T, H, K = k.shape
+        NT = (sum(cdiv(e - s, CHUNK_SIZE) for s, e in zip(offsets[:-1], offsets[1:]))
+              if cu_seqlens is not None else cdiv(T, CHUNK_SIZE))
+        h = k.new_empty(1 if cu_seqlens is not None else B, NT, H, K, v.shape[-1])
+        v_new = torch.empty_like(v)
+        chunk_gated_delta_rule_fwd_inter(None, k, v, g_cum, beta, A, None, scale,
+                                         initial_state, cu_seqlens=cu_seqlens,
+                                         offsets=offsets, states_out=(h, v_new))
+        # W for the reverse pass's Wᵀ dVn. (Formed there from Ai and K instead, the pass
+        # took 1.04 ms against 0.69 at 1x8192x96x128 on H100, more than W costs here.)
+        w, _ = recompute_w_u_fwd(k, v, beta, A, g_cum, with_u=False, **varlen)
+    else:
+        w, u = recompute_w_u_fwd(k, v, beta, A, g_cum, **varlen)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
+                                                   chunk_size=CHUNK_SIZE, **varlen)
+        del u
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do,
                                                  None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
                                                  **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, **varlen)
+    # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
     del h, v_new, dh, w
     dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
     dk += dk_wy   # dk is this step's own buffer
@@ -87,26 +122,28 @@ _chunk_fwd = stage_op(
 _chunk_bwd = stage_op(
     "chunk_gated_delta_rule_bwd", _backward, label="gated_delta_rule.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor beta, Tensor A, "
-           "Tensor Aqk, Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, Tensor do, "
-           "Tensor? dht, float scale, ScalarType? g_dtype) "
+           "Tensor Aqk, Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
+           "int[]? offsets, Tensor do, Tensor? dht, float scale, ScalarType? g_dtype) "
            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
-        = inputs
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
+        offsets = inputs
     _, g_cum, A, _, Aqk = output
     ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, Aqk,
                           initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
     ctx.output_final_state = output_final_state
+    ctx.offsets = offsets
 
 
 def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.g_dtype)
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, ctx.offsets, do, dht, ctx.scale,
+                                            ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
             present(dh0, saved[7] is not None), None, None, None, None)
 
@@ -117,10 +154,10 @@ _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 def _backward_args(args, outputs):
     """The backward step's arguments as the first backward will pass them (for its
     compile-ahead prefetch during the first forward)."""
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, _ \
-        = args
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
+        offsets = args
     o, g_cum, A, final_state, Aqk = outputs
-    return (q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices,
+    return (q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices, offsets,
             torch.empty_like(o), final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
 

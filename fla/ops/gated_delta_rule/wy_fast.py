@@ -49,15 +49,16 @@ def _space(args) -> list[Config]:
         for bd in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)))
 
 
-@tuned(key=["K", "V", "BT", "k"], default=_default, space=_space)
+@tuned(key=["K", "V", "BT", "k", "WITH_U"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def recompute_w_u_fwd_kernel(
     k, v, beta, A, g, w, u, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WITH_U: tl.constexpr = True,
 ):
-    """One program per (chunk, batch·head): all K and V columns of W and U for it.
+    """One program per (chunk, batch·head): all K and V columns of W and U for it (of W
+    alone without ``WITH_U``).
 
     U and W columns are produced by one loop over BD-wide tiles, so both products are
     [BT, BT]×[BT, BD] and share one MMA layout for the register-resident Tinv. (A first
@@ -86,19 +87,18 @@ def recompute_w_u_fwd_kernel(
         b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
         b_kscale = b_beta * tl.exp(b_g)
 
-    v_base = v + (row0 * H + i_h) * V
-    u_base = u + (row0 * H + i_h) * V
     k_base = k + (row0 * H + i_h) * K
     w_base = w + (row0 * H + i_h) * K
-    for i_d in range(tl.cdiv(V if V > K else K, BD)):
+    D: tl.constexpr = V if V > K and WITH_U else K
+    for i_d in range(tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
-        if i_d * BD < V:
+        if WITH_U and i_d * BD < V:
             m_u = m_t[:, None] & (o_d < V)[None, :]
-            off_u = o_t[:, None] * (H * V) + o_d[None, :]
-            b_v = tl.load(v_base + off_u, mask=m_u, other=0.).to(tl.float32)
+            off_u = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_d[None, :]
+            b_v = tl.load(v + off_u, mask=m_u, other=0.).to(tl.float32)
             b_vb = (b_v * b_beta[:, None]).to(v.dtype.element_ty)
             b_u = tl.dot(b_A, b_vb, input_precision=DOT_PRECISION)
-            tl.store(u_base + off_u, b_u.to(u.dtype.element_ty), mask=m_u)
+            tl.store(u + off_u, b_u.to(u.dtype.element_ty), mask=m_u)
         if i_d * BD < K:
             m_w = m_t[:, None] & (o_d < K)[None, :]
             off_w = o_t[:, None] * (H * K) + o_d[None, :]
@@ -116,7 +116,8 @@ def recompute_w_u_fwd(
     g: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_u: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The WY factors of each chunk: ``W = Tinv·diag(β)·(K ⊙ exp(γ))``,
     ``U = Tinv·diag(β)·V``.
 
@@ -128,9 +129,10 @@ def recompute_w_u_fwd(
         g: ``[B, T, H]`` chunk-local cumulative log decay γ (None: no decay).
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_indices: ``[NT, 2]`` varlen chunk table (built here when None).
+        with_u: False: W alone (u None), for a caller that has the new values already.
 
     Returns:
-        ``(w [B, T, H, K] in k's dtype, u [B, T, H, V] in v's dtype)``.
+        ``(w [B, T, H, K] in k's dtype, u [B, T, H, V] in v's dtype or None)``.
     """
     check_tensor("k", k)
     check_tensor("v", v)
@@ -159,7 +161,8 @@ def recompute_w_u_fwd(
     offsets = check_cu_seqlens(cu_seqlens, T=T, B=B)
 
     if select_backend(k, v, beta, A, g) is Backend.TORCH:
-        return recompute_w_u_fwd_torch(k, v, beta, A, g, offsets, BT)
+        w, u = recompute_w_u_fwd_torch(k, v, beta, A, g, offsets, BT)
+        return w, u if with_u else None
 
     k, v, beta, A = k.contiguous(), v.contiguous(), beta.contiguous(), A.contiguous()
     g = None if g is None else g.contiguous()
@@ -171,10 +174,10 @@ def recompute_w_u_fwd(
         chunk_indices = None
         NT = cdiv(T, BT)
     w = torch.empty_like(k)
-    u = torch.empty_like(v)
+    u = torch.empty_like(v) if with_u else None
     recompute_w_u_fwd_kernel[(NT, B * H)](
         k=k, v=v, beta=beta, A=A, g=g, w=w, u=u, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, K=K, V=V, BT=BT, USE_G=g is not None,
-        IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),
+        IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype), WITH_U=with_u,
     )
     return w, u
