@@ -92,13 +92,16 @@ def recompute_w_u_fwd_kernel(
     D: tl.constexpr = V if V > K and WITH_U else K
     for i_d in range(tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
-        if WITH_U and i_d * BD < V:
-            m_u = m_t[:, None] & (o_d < V)[None, :]
-            off_u = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_d[None, :]
-            b_v = tl.load(v + off_u, mask=m_u, other=0.).to(tl.float32)
-            b_vb = (b_v * b_beta[:, None]).to(v.dtype.element_ty)
-            b_u = tl.dot(b_A, b_vb, input_precision=DOT_PRECISION)
-            tl.store(u + off_u, b_u.to(u.dtype.element_ty), mask=m_u)
+        if WITH_U:
+            # (Nested, not `WITH_U and ...`: Triton 3.3 traces the body of a runtime
+            # condition even when a constexpr operand is False, and u is then None.)
+            if i_d * BD < V:
+                m_u = m_t[:, None] & (o_d < V)[None, :]
+                off_u = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_d[None, :]
+                b_v = tl.load(v + off_u, mask=m_u, other=0.).to(tl.float32)
+                b_vb = (b_v * b_beta[:, None]).to(v.dtype.element_ty)
+                b_u = tl.dot(b_A, b_vb, input_precision=DOT_PRECISION)
+                tl.store(u + off_u, b_u.to(u.dtype.element_ty), mask=m_u)
         if i_d * BD < K:
             m_w = m_t[:, None] & (o_d < K)[None, :]
             off_w = o_t[:, None] * (H * K) + o_d[None, :]
