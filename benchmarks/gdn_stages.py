@@ -66,7 +66,7 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
     from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter
+    from fla.ops.common.chunk_fwd_inter import chunk_gated_delta_rule_fwd_inter, state_buffers
     from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
@@ -79,9 +79,7 @@ def stage_times(x, quick: bool) -> tuple[dict, dict]:
         g_cum, Ai, Aqk = st("fwd intra", lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta))
         st("fwd inter", lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk,
                                                                  scale))
-        B, T, H, D = x["B"], x["T"], x["H"], x["D"]
-        h = k.new_empty(B, -(-T // 64), H, D, D)
-        v_new = torch.empty_like(v)
+        h, v_new = state_buffers(k, v, None, False)
         st("bwd states (h, Vn)", lambda: chunk_gated_delta_rule_fwd_inter(
             None, k, v, g_cum, beta, Ai, None, scale, states_out=(h, v_new)))
         w, _ = st("bwd recompute w", lambda: recompute_w_u_fwd(k, v, beta, Ai, g_cum,

@@ -8,7 +8,9 @@ step per layer. Host code uses these; kernels keep ``tl.cdiv``.
 """
 from __future__ import annotations
 
-__all__ = ["cdiv", "grid_fill", "next_power_of_2"]
+from fla.utils.triton_facts import multiprocessor_count
+
+__all__ = ["cdiv", "grid_fill", "next_power_of_2", "sequential_grid_fill"]
 
 
 def cdiv(x: int, y: int) -> int:
@@ -35,3 +37,10 @@ def grid_fill(programs_at_64: int, sms: int) -> int:
     if programs_at_64 > sms:
         return 0
     return 1 if 2 * programs_at_64 > sms else 2
+
+
+def sequential_grid_fill(sequences: int, heads: int, V: int) -> int:
+    """:func:`grid_fill` of a sequential chunk pass over ``sequences`` x ``heads`` with
+    ``V`` value columns, on this process's GPU: the ``FEW_PROGRAMS`` hint its launcher
+    passes."""
+    return grid_fill(sequences * heads * cdiv(V, 64), multiprocessor_count())

@@ -152,7 +152,8 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
     split 1.01, 8x2048x32x256 1.47; 2x16384x16x128 0.73 against 0.55 staged)."""
     from fla.ops.common import chunk_fwd_inter
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
-    monkeypatch.setattr(gdn_chunk, "multiprocessor_count", lambda: SMS)
+    from fla.utils import grid
+    monkeypatch.setattr(grid, "multiprocessor_count", lambda: SMS)
     monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: SMS)
     expected = {"1x8192x96x128": True, "4x4096x64x128": True, "1x65536x8x128": True,
                 "8x2048x32x256": True, "2x16384x16x128": False, "4x2048x16x128": False}

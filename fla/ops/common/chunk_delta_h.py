@@ -21,8 +21,8 @@ from fla.ops.utils.index import varlen_chunk_offsets
 from fla.ops.utils.tiles import check_chunk_size, sixteen_bit, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
-from fla.utils.grid import cdiv, grid_fill
-from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
+from fla.utils.grid import cdiv, sequential_grid_fill
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 from fla.utils.validation import (
     Dims,
@@ -321,7 +321,7 @@ def chunk_gated_delta_rule_fwd_h(
             USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=output_final_state, SAVE_NEW_VALUE=save_new_value,
             IS_VARLEN=offsets is not None, DOT_PRECISION=dot_precision(k.dtype),
-            FEW_PROGRAMS=grid_fill(N * H * cdiv(V, 64), multiprocessor_count()),
+            FEW_PROGRAMS=sequential_grid_fill(N, H, V),
         )
     if head_first:
         h = h.transpose(1, 2)

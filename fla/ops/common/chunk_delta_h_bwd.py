@@ -33,8 +33,8 @@ import triton.language as tl
 
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, sixteen_bit, tile_width
-from fla.utils.grid import cdiv, grid_fill
-from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
+from fla.utils.grid import cdiv, sequential_grid_fill
+from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
@@ -442,6 +442,6 @@ def chunk_gated_delta_rule_bwd_dhu(
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
         **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else
            # (0 with the vector gate, whose defaults do not read it.)
-           dict(FEW_PROGRAMS=grid_fill(N * H * cdiv(V, 64), multiprocessor_count()))),
+           dict(FEW_PROGRAMS=sequential_grid_fill(N, H, V))),
     )
     return dh, dh0, dv2

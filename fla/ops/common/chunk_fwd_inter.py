@@ -45,9 +45,9 @@ import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
-from fla.ops.utils.index import varlen_chunk_offsets
+from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
 from fla.ops.utils.tiles import sixteen_bit, tile_width
-from fla.utils.grid import cdiv, grid_fill
+from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
@@ -613,6 +613,33 @@ def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tenso
     return tables
 
 
+def _states_shape(k: torch.Tensor, V: int, offsets: list[int], varlen: bool) -> tuple:
+    """h's shape for ``states_out``: ``[B, NT, H, K, V]``, ``[1, NT_total, H, K, V]`` with
+    packed sequences (``offsets``: the host token offsets)."""
+    B, _, H, K = k.shape
+    NT = sum(chunk_counts(offsets, CHUNK))
+    return (1, NT, H, K, V) if varlen else (B, NT // B, H, K, V)
+
+
+def state_buffers(k: torch.Tensor, v: torch.Tensor, offsets: list[int] | None,
+                  varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(h, v_new)`` for :func:`chunk_gated_delta_rule_fwd_inter`'s ``states_out``
+    (``offsets`` None: B sequences of T tokens)."""
+    B, T = k.shape[:2]
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    return k.new_empty(_states_shape(k, v.shape[-1], offsets, varlen)), torch.empty_like(v)
+
+
+def _check_out_buffer(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
+    """An output buffer the caller passes must be contiguous, of ``shape``, in ``like``'s
+    dtype and on its device: the kernels write it with ``like``'s strides in mind."""
+    if (tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or not t.is_contiguous()
+            or t.device != like.device):
+        raise ValueError(f"{name} must be a contiguous {list(shape)} {like.dtype} tensor on "
+                         f"{like.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+
+
 def chunk_gated_delta_rule_fwd_inter(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -680,25 +707,15 @@ def chunk_gated_delta_rule_fwd_inter(
     states = {}
     if states_out is not None:
         h, v_new = states_out
-        NT = sum(cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
-        h_shape = (1, NT, H, K, V) if varlen else (B, NT // B, H, K, V)
-        for name, t, shape in (("h", h, h_shape), ("v_new", v_new, tuple(v.shape))):
-            if (tuple(t.shape) != shape or t.dtype != k.dtype or not t.is_contiguous()
-                    or t.device != k.device):
-                raise ValueError(f"states_out: {name} must be a contiguous {list(shape)} "
-                                 f"{k.dtype} tensor on {k.device}, got {list(t.shape)} "
-                                 f"{t.dtype} on {t.device}")
+        _check_out_buffer("states_out: h", h, _states_shape(k, V, offsets, varlen), k)
+        _check_out_buffer("states_out: v_new", v_new, tuple(v.shape), k)
         states = dict(h=h, v_new=v_new, STATES_ONLY=True, chunk_offsets=(
             varlen_chunk_offsets(cu_seqlens, CHUNK, offsets) if varlen else None))
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                    if output_final_state else None)
     form_scores = Aqk is None and states_out is None
     if scores_out is not None:
-        if (scores_out.shape != (B, T, H, CHUNK) or scores_out.dtype != k.dtype
-                or not scores_out.is_contiguous() or scores_out.device != k.device):
-            raise ValueError(f"scores_out must be a contiguous [B, T, H, {CHUNK}] {k.dtype} "
-                             f"tensor on {k.device}, got {list(scores_out.shape)} "
-                             f"{scores_out.dtype} on {scores_out.device}")
+        _check_out_buffer("scores_out", scores_out, (B, T, H, CHUNK), k)
         Aqk = scores_out
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
@@ -713,7 +730,7 @@ def chunk_gated_delta_rule_fwd_inter(
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
         # without the delta, where it would only compile identical variants.
-        few = grid_fill(N * H * cdiv(V, 64), multiprocessor_count()) if Ai is not None else 0
+        few = sequential_grid_fill(N, H, V) if Ai is not None else 0
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=final_state, seg_decay=None, segments=None,
             USE_INITIAL_STATE=initial_state is not None,

@@ -29,6 +29,7 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_fwd_inter import (
     chunk_gated_delta_rule_fwd_inter,
     default_segment_chunks,
+    state_buffers,
 )
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
@@ -42,8 +43,7 @@ from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
-from fla.utils.grid import cdiv, grid_fill
-from fla.utils.triton_facts import multiprocessor_count
+from fla.utils.grid import cdiv, sequential_grid_fill
 
 CHUNK_SIZE = 64
 
@@ -69,7 +69,7 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = B if offsets is None else len(offsets) - 1
-    return (grid_fill(n * H * cdiv(V, 64), multiprocessor_count()) == 0
+    return (sequential_grid_fill(n, H, V) == 0
             or default_segment_chunks(offsets, B, T, H, K, V, True, False) > 0)
 
 
@@ -78,11 +78,7 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_ind
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     if _states_from_the_forward_pass(k, v, offsets):
-        B, T, H, K = k.shape
-        NT = (sum(cdiv(e - s, CHUNK_SIZE) for s, e in zip(offsets[:-1], offsets[1:]))
-              if cu_seqlens is not None else cdiv(T, CHUNK_SIZE))
-        h = k.new_empty(1 if cu_seqlens is not None else B, NT, H, K, v.shape[-1])
-        v_new = torch.empty_like(v)
+        h, v_new = state_buffers(k, v, offsets, cu_seqlens is not None)
         chunk_gated_delta_rule_fwd_inter(None, k, v, g_cum, beta, A, None, scale,
                                          initial_state, cu_seqlens=cu_seqlens,
                                          offsets=offsets, states_out=(h, v_new))

@@ -25,6 +25,7 @@ import triton.language as tl
 from fla.utils.validation import read_offsets
 
 __all__ = [
+    "chunk_counts",
     "prepare_lens",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",
@@ -97,7 +98,8 @@ def prepare_lens(cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor | lis
     return [b - a for a, b in zip(values[:-1], values[1:])]
 
 
-def _chunk_counts(offsets: list[int], chunk_size: int) -> list[int]:
+def chunk_counts(offsets: Sequence[int], chunk_size: int) -> list[int]:
+    """Chunks of each packed sequence, from the host token offsets ``[N + 1]``."""
     return [-(-(b - a) // chunk_size) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
@@ -118,7 +120,7 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: 
     chunk_size = _check_chunk_size(chunk_size)
 
     def build() -> torch.Tensor:
-        counts = _chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size)
+        counts = chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size)
         out = [0]
         for c in counts:
             out.append(out[-1] + c)
@@ -147,7 +149,7 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor | Sequence[int], chunk_size: 
 
     def build() -> torch.Tensor:
         counts = torch.tensor(
-            _chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size),
+            chunk_counts(_host_offsets(cu_seqlens, cu_seqlens_cpu), chunk_size),
             dtype=torch.int64)
         seq = torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.int64), counts)
         first = torch.cumsum(counts, 0) - counts
