@@ -229,13 +229,29 @@ def scores_float64(q, k, g, u, cu, exclusive, chunk=64):
     return A, allowed
 
 
+def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):
+    """q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} ([T, H, K]) chunk by chunk, γ chunk-local, γ_C its
+    last row, γq = γ (γ − g with ``exclusive``)."""
+    qg, kg = torch.empty_like(q), torch.empty_like(k)
+    bounds = cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            e = min(c + chunk, eos)
+            gam = g[c:e].cumsum(0)
+            gq = gam - g[c:e] if exclusive else gam
+            qg[c:e] = q[c:e] * gq.exp()
+            kg[c:e] = k[c:e] * (gam[-1:] - gam).exp()
+    return qg, kg
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("variant", ["gla", "rwkv6"])
 def test_intra_chunk_scores_kernel(variant, device, seed):
     """chunk_gk_fwd_A alone (GLA; RWKV6's exclusive scores with the bonus u) against
     float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
     of the K tile), gates down to −5 a step; entries above the diagonal and past the
-    chunk's end exactly zero."""
+    chunk's end exactly zero; the state pass's gated operands q ⊙ e^{γq} and
+    k ⊙ e^{γ_C − γ} too."""
     from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd_A
     from fla.ops.utils.index import prepare_chunk_indices
     gen = generator(seed)
@@ -246,11 +262,14 @@ def test_intra_chunk_scores_kernel(variant, device, seed):
     u = randn((H, K), gen, torch.float64) if exclusive else None
     cu = cu_seqlens_of(lengths)
     q, k, g = (x[n][0].to(torch.float32) for n in ("q", "k", "g"))
-    _, A = chunk_gk_fwd_A(
+    _, A, qg, kg = chunk_gk_fwd_A(
         q[None].to(device), k[None].to(device), g[None].to(device),
         None if u is None else u.to(torch.float32).to(device), cu.to(device),
-        prepare_chunk_indices(cu.to(device), 64), exclusive=exclusive)
-    A = A[0].cpu()
+        prepare_chunk_indices(cu.to(device), 64), exclusive=exclusive, gate_operands=True)
+    A, qg, kg = (t[0].cpu() for t in (A, qg, kg))
+    qg_ref, kg_ref = gated_operands_float64(*(t.double() for t in (q, k, g)), cu, exclusive)
+    assert_rel_close("qg", qg, qg_ref, 1e-4)
+    assert_rel_close("kg", kg, kg_ref, 1e-4)
     A_ref, allowed = scores_float64(*(t.double() for t in (q, k, g)),
                                     None if u is None else u.to(torch.float32).double(),
                                     cu, exclusive)

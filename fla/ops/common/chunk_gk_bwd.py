@@ -88,9 +88,15 @@ def chunk_gk_bwd_dqkg_kernel(
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     HK = H * K
-    # Every dot on fp32 operands (DOT_PRECISION from fp32_dot_precision): dg is a
-    # cancelling sum of q⊙dq − k⊙dk, and bf16-rounded dA, q̃, k̃ or states miss its bound.
+    # The gated dots on fp32 operands (DOT_PRECISION from fp32_dot_precision): dg is a
+    # cancelling sum of q⊙dq − k⊙dk, and bf16-rounded dA, q̃ or k̃ miss its bound. The
+    # dots over V take dO, V, h and dh as stored (their products are exact in any
+    # operand precision that holds the inputs' dtype) at the 16-bit rate.
     dt = tl.float32
+    if do.dtype.element_ty == v.dtype.element_ty:
+        vt = v.dtype.element_ty
+    else:
+        vt = tl.float32
     base = (row0 * H + i_h) * K
     # Scalar int64 bases, int32 tile offsets (64-bit address tiles cost two registers
     # an element).
@@ -108,15 +114,17 @@ def chunk_gk_bwd_dqkg_kernel(
         m_v = o_v < V
         o_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_do = tl.load(do_b + o_tv, mask=m_tv, other=0.).to(dt)
-        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(dt)
+        b_do = tl.load(do_b + o_tv, mask=m_tv, other=0.).to(vt)
+        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(vt)
         o_s = o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h_b + o_s, mask=m_s, other=0.)
         b_dh = tl.load(dh_b + o_s, mask=m_s, other=0.)
         b_dA = tl.dot(b_do, tl.trans(b_v), b_dA, input_precision=DOT_PRECISION)
-        b_dqs = tl.dot(b_do, tl.trans(b_h.to(dt)), b_dqs, input_precision=DOT_PRECISION)
-        b_dks = tl.dot(b_v, tl.trans(b_dh.to(dt)), b_dks, input_precision=DOT_PRECISION)
+        b_dqs = tl.dot(b_do, tl.trans(b_h.to(vt)), b_dqs,
+                       input_precision=DOT_PRECISION)
+        b_dks = tl.dot(b_v, tl.trans(b_dh.to(vt)), b_dks,
+                       input_precision=DOT_PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     b_dA = b_dA * scale
 

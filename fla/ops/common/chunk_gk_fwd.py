@@ -16,19 +16,25 @@ it writes O (``STORE_O``) and/or the per-chunk states (``STORE_H``, the backward
 recomputation); no [T, K, V]-sized tensor is written on the way to O.
 
 Numerics: no exponent is ever positive (γ reaches −5 · 64 = −320 inside a chunk:
-exp(320) overflows even fp32). A is built by halving, as tensor-core dots: at level
-b ∈ {64, 32, 16, 8, 4, 2} the chunk is cut into blocks of b rows, and the queries of
-each block's second half meet the keys of its first half through the block's middle
-row m (the last row of the first half)::
+exp(320) overflows even fp32). A is built from 16-row strips, as tensor-core dots over
+factor-scaled q and k, with the identity (m a reference row, j ≤ m < i)::
 
     q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − γ_mk)] · [k_jk exp(γ_mk − γ_jk)]
 
-with both exponents ≤ 0 (j ≤ m < i; for RWKV6 γq_i = γ_{i−1} ≤ γ_m too). Every pair
-j < i is met at exactly one level (the level of the highest bit where i and j differ);
-each row needs one exp per level (as a query in second halves, as a key in first
-halves): 6·64·K exponentials per chunk, and six 64 x 64 x K dots. The diagonal j = i is
-Σ_k q k (GLA: exponent 0) or RWKV6's bonus. Each factor is at least the product, so
-nothing representable underflows.
+whose two exponents are ≤ 0 (for RWKV6 γq_i = γ_{i−1} ≤ γ_m too). Pairs in different
+strips meet through m = 16·S − 1, the last row before the query's strip S: one
+[16, K] x [K, 16·S] product per strip (key blocks of 16 and 32 rows). Pairs inside a
+strip meet by halving it: at level b ∈ {16, 8, 4, 2} the strip is cut into blocks of
+b rows, and the queries of each block's second half meet the keys of its first half
+through the block's middle row m (the last row of the first half); each pair inside a
+strip is met at exactly one level (the highest bit where i and j differ), as a
+[16, K] x [K, 16] product. That is 16·(16 + 32 + 48)·K + 4·4·16·16·K = 1.375·64·64·K
+multiply-adds per chunk (six full 64 x 64 x K dots before) and 6.25·64·K exponentials
+(6·64·K before): a row's exp per level, plus the queries' and keys' through the strip
+references. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. Each
+factor is at least the product, so nothing representable underflows; a reference row
+past the chunk's end is clamped to its last row, and masked elements are zeroed before
+the exp.
 """
 from __future__ import annotations
 
@@ -50,7 +56,8 @@ CHUNK_SIZE = 64
 
 @triton.jit
 def gk_level_factor(b_g, b_gq, g_b, o_t, o_k, m_k, L, HK, b: tl.constexpr):
-    """Level ``b`` of the halving: (second-half rows mask [64], e [64, BK]) with
+    """Level ``b`` of the halving for the chunk rows ``o_t`` (all 64, or one 16-row
+    strip with b ≤ 16): (second-half rows mask [R], e [R, BK]) with
     e_i = exp(γq_i − γ_m) for rows in a block's second half and exp(γ_m − γ_i) for
     rows in its first half, m the block's middle row (clamped to the last valid row;
     a first-half key whose m is past the end meets no valid query). ``g_b`` points at
@@ -66,17 +73,20 @@ def gk_level_factor(b_g, b_gq, g_b, o_t, o_k, m_k, L, HK, b: tl.constexpr):
 
 @triton.jit
 def gk_level_mask(o_t, b: tl.constexpr):
-    """[64, 64] pairs (i, j) met at level b: same block, i in the second half, j in
-    the first."""
+    """[R, R] pairs (i, j) of the rows ``o_t`` met at level b: same block, i in the
+    second half, j in the first."""
     h: tl.constexpr = b // 2
     return (((o_t // b)[:, None] == (o_t // b)[None, :]) & ((o_t & h) != 0)[:, None]
             & ((o_t & h) == 0)[None, :])
 
 
 def _A_default(args) -> Config:
-    # Offline sm_90 compile at K = 128 (bf16): BK = 64 with 4 warps spills 1.4 KB a
-    # thread, with 8 warps 0.2 KB; BK = 32 with 8 warps 48 B.
-    return Config(BK=tile_width(args["K"], 32), num_warps=8, num_stages=1)
+    # H100, Triton 3.6, bf16, every config of the space timed (1x8192x96x128 and RWKV6's
+    # 4x4096x16x128): BK = 64 with 4 warps the fastest or within 7% (8 warps 1.5-2.6x
+    # slower: the strips' [16, BK] tiles spread thin over 256 threads); writing the gated
+    # operands too, two stages (1.48 ms against 1.77 at one, 1x8192x96x128).
+    return Config(BK=tile_width(args["K"], 64), num_warps=4,
+                  num_stages=2 if args["GATE_OPERANDS"] else 1)
 
 
 def _A_space(args) -> list[Config]:
@@ -85,16 +95,112 @@ def _A_space(args) -> list[Config]:
         for bk in (32, 64) for w in (4, 8) for s in (1, 2)))
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U"], default=_A_default, space=_A_space)
+@triton.jit
+def _gk_cross_keys(k_b, gc_b, b_gm, o_k, m_k, m, J0: tl.constexpr, NJ: tl.constexpr, HK):
+    """[NJ, BK] k_j exp(γ_m − γ_j) for the keys j = J0 … J0 + NJ − 1, zero past row m
+    (a valid row: the reference row clamped to the chunk's last)."""
+    o_j = J0 + tl.arange(0, NJ)
+    m_jk = (o_j <= m)[:, None] & m_k[None, :]
+    o_jk = o_j[:, None] * HK + o_k[None, :]
+    b_k = tl.load(k_b + o_jk, mask=m_jk, other=0.).to(tl.float32)
+    b_g = tl.load(gc_b + o_jk, mask=m_jk, other=0.)
+    b_e = tl.exp(tl.where(m_jk, b_gm[None, :] - b_g, 0.))
+    return tl.where(m_jk, b_k * b_e, 0.).to(k_b.dtype.element_ty)
+
+
+@triton.jit
+def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr,
+                    K: tl.constexpr, BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr,
+                    USE_U: tl.constexpr, GATE_OPERANDS: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Rows 16·S … 16·S + 15 of the chunk's A, stored (row stride ``RS``): the pairs
+    with keys in earlier strips through the reference row M = 16·S − 1, the strip's own
+    16 x 16 block by halving (levels 16, 8, 4, 2) and the diagonal. With
+    ``GATE_OPERANDS`` also the strip's rows of q ⊙ e^{γq} and k ⊙ e^{γ_C − γ}, from the
+    tiles it has loaded anyway."""
+    dt = k_b.dtype.element_ty
+    M: tl.constexpr = 16 * S - 1
+    # Keys 0 … M in power-of-two blocks: [0, 16) for S = 1, [0, 32) for S = 2 and 3,
+    # and [32, 48) for S = 3 (one 64-wide block would leave a quarter of its dot zero).
+    NC: tl.constexpr = 16 + 16 * (S // 2)
+    o_i = 16 * S + tl.arange(0, 16)
+    m_i = o_i < L
+    b_c = tl.zeros([16, NC], dtype=tl.float32)
+    b_c2 = tl.zeros([16, 16], dtype=tl.float32)
+    b_s = tl.zeros([16, 16], dtype=tl.float32)
+    b_d = tl.zeros([16], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        o_ik = o_i[:, None] * HK + o_k[None, :]
+        b_q = tl.load(q_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+        b_k = tl.load(k_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+        b_g = tl.load(gc_b + o_ik, mask=m_ik, other=0.)
+        if EXCLUSIVE:
+            # γq_i = γ_{i−1} (0 at the chunk's first row).
+            b_gq = tl.load(gc_b + o_ik - HK, mask=m_ik & (o_i > 0)[:, None], other=0.)
+        else:
+            b_gq = b_g
+        if GATE_OPERANDS:
+            b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+            tl.store(qg_b + o_ik, (b_q * tl.exp(b_gq)).to(dt), mask=m_ik)
+            b_kg = b_k * tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0.))
+            tl.store(kg_b + o_ik, b_kg.to(dt), mask=m_ik)
+        if USE_U:
+            b_u = tl.load(u_h + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_d += tl.sum(b_q * b_k * b_u[None, :], axis=1)
+        elif not EXCLUSIVE:
+            b_d += tl.sum(b_q * b_k, axis=1)
+        if S > 0:
+            # A strip with a valid row has M < L; without one, no query survives its
+            # mask and the clamp keeps the keys' exponents ≤ 0 all the same.
+            m = tl.minimum(M, L - 1)
+            b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
+            b_qx = (b_q * tl.exp(tl.where(m_ik, b_gq - b_gm[None, :], 0.))).to(dt)
+            b_c = tl.dot(b_qx, tl.trans(_gk_cross_keys(k_b, gc_b, b_gm, o_k, m_k, m, 0, NC,
+                                                       HK)),
+                         b_c, input_precision=DOT_PRECISION)
+            if S == 3:
+                b_c2 = tl.dot(b_qx, tl.trans(_gk_cross_keys(k_b, gc_b, b_gm, o_k, m_k, m,
+                                                            32, 16, HK)),
+                              b_c2, input_precision=DOT_PRECISION)
+        for lvl in tl.static_range(4):
+            second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_i, o_k, m_k, L, HK, 16 >> lvl)
+            b_qe = tl.where(second[:, None], b_q * b_e, 0.).to(dt)
+            b_ke = tl.where(second[:, None], 0., b_k * b_e).to(dt)
+            b_l = tl.dot(b_qe, tl.trans(b_ke), input_precision=DOT_PRECISION)
+            b_s += tl.where(gk_level_mask(o_i, 16 >> lvl), b_l, 0.)
+    b_s += tl.where(o_i[:, None] == o_i[None, :], b_d[:, None], 0.)
+    # Every address of the row block is written once: the cross blocks left of the
+    # strip, its own block, zeros right of it.
+    ot = A_b.dtype.element_ty
+    p_i = A_b + o_i[:, None] * RS
+    o_j = tl.arange(0, 16)
+    tl.store(p_i + 16 * S + o_j[None, :], b_s.to(ot), mask=m_i[:, None])
+    if S > 0:
+        tl.store(p_i + tl.arange(0, NC)[None, :], b_c.to(ot), mask=m_i[:, None])
+    if S == 3:
+        tl.store(p_i + 32 + o_j[None, :], b_c2.to(ot), mask=m_i[:, None])
+    if S < 3:
+        o_z = tl.arange(0, 64)
+        tl.store(p_i + o_z[None, :], tl.zeros([16, 64], dtype=ot),
+                 mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
+
+
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS"], default=_A_default,
+       space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
-    q, k, g, u, g_cum, A, cu_seqlens, chunk_indices, T,
+    q, k, g, u, g_cum, A, qg, kg, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATE_OPERANDS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
-    zeros above the diagonal and past the chunk's end)."""
+    zeros above the diagonal and past the chunk's end). With ``GATE_OPERANDS`` also the
+    state pass's gated operands (out, q's dtype, ``[B, T, H, K]``): qg = q ⊙ e^{γq} and
+    kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -108,9 +214,17 @@ def chunk_gk_fwd_A_kernel(
     # Scalar int64 bases, int32 tile offsets: 64-bit address tiles cost two registers
     # an element.
     q_b, k_b, g_b, gc_b = q + base, k + base, g + base, g_cum + base
-    dt = k.dtype.element_ty
+    A_b = A + (row0 * H + i_h) * BT
+    if USE_U:
+        u_h = u + i_h * K
+    else:
+        u_h = u
+    if GATE_OPERANDS:
+        qg_b, kg_b = qg + base, kg + base
+    else:
+        qg_b, kg_b = qg, kg
 
-    # γ = cumsum(g) in the chunk, written first: the levels read rows of it back.
+    # γ = cumsum(g) in the chunk, written first: the strips read rows of it back.
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -119,38 +233,17 @@ def chunk_gk_fwd_A_kernel(
         tl.store(gc_b + o_tk, b_g, mask=m_tk)
     tl.debug_barrier()
 
-    b_A = tl.zeros([BT, BT], dtype=tl.float32)
-    b_d = tl.zeros([BT], dtype=tl.float32)   # the diagonal
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        o_tk = o_t[:, None] * HK + o_k[None, :]
-        b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.)
-        b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.)
-        b_g = tl.load(gc_b + o_tk, mask=m_tk, other=0.)
-        if EXCLUSIVE:
-            # γq_i = γ_{i−1} (0 at the chunk's first row).
-            b_gq = tl.load(gc_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
-        else:
-            b_gq = b_g
-        if USE_U:
-            b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_d += tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32) * b_u[None, :], axis=1)
-        elif not EXCLUSIVE:
-            b_d += tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
-        for lvl in tl.static_range(6):
-            second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, 64 >> lvl)
-            b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
-            b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
-            b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=DOT_PRECISION)
-            b_A += tl.where(gk_level_mask(o_t, 64 >> lvl), b_s, 0.)
-    b_A += tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.)
-    p_A = A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :]
-    tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_t[:, None])
+    for s in tl.static_range(4):
+        _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                        H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
 
 
 def _h_default(args) -> Config:
+    if args["GATED_OPERANDS"]:
+        # No exponential and no fp32 γ tile in the loop: the state pass of simple GLA,
+        # which runs two programs an SM at 4 warps.
+        return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32),
+                      num_warps=4, num_stages=2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
@@ -167,22 +260,25 @@ def _h_space(args) -> list[Config]:
     # BV = 32 with one stage faulted with an illegal address (1x8192x96x128, 4 and 8
     # warps); three stages overflow the 227 KB of shared memory (q, k, fp32 γ and γq tiles
     # per stage: 243-457 KB with RWKV6's γq at K = 128 and at K = 256), and so do two
-    # stages of BV = 64 at K = 256 (239-243 KB).
+    # stages of BV = 64 at K = 256 (239-243 KB). The gated operands carry no γ tiles.
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
+    stages = (1, 2, 3) if args["GATED_OPERANDS"] and args["K"] <= 128 else (1, 2)
     return list(dict.fromkeys(
         Config(BV=bv, num_warps=w, num_stages=s)
-        for bv in widths for w in (4, 8) if w <= _h_max_warps(args) for s in (1, 2)
-        if not (bv <= 32 and s == 1) and not (bv == 64 and s == 2 and args["K"] > 128)))
+        for bv in widths for w in (4, 8) if w <= _h_max_warps(args) for s in stages
+        if not (bv <= 32 and s == 1) and not (bv == 64 and s >= 2 and args["K"] > 128)))
 
 
 @triton.jit
 def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L, HK,
                    o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   EXCLUSIVE: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
+                   EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr,
+                   STORE_H: tl.constexpr, STORE_O: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """One [BK, BV] tile of the state through one chunk: stores it (``STORE_H``), adds
     (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it. ``q_b``,
-    ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state."""
+    ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state; with
+    ``GATED_OPERANDS`` q and k are already Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}."""
     dt = k_b.dtype.element_ty
     o_k = i_kt * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -191,32 +287,40 @@ def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m
                  mask=m_k[:, None] & m_v[None, :])
     m_tk = m_t[:, None] & m_k[None, :]
     o_tk = o_t[:, None] * HK + o_k[None, :]
-    b_g = tl.load(g_b + o_tk, mask=m_tk, other=0.)
-    if STORE_O:
-        if EXCLUSIVE:
-            b_gq = tl.load(g_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
-        else:
-            b_gq = b_g
-        b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
-        # γq is chunk-local and ≤ 0.
-        b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_s.to(dt), b_o,
-                     input_precision=DOT_PRECISION)
     b_gl = tl.load(g_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
-    b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.).to(dt)
+    if GATED_OPERANDS:
+        if STORE_O:
+            b_o = tl.dot(tl.load(q_b + o_tk, mask=m_tk, other=0.), b_s.to(dt), b_o,
+                         input_precision=DOT_PRECISION)
+        b_kd = tl.load(k_b + o_tk, mask=m_tk, other=0.)
+    else:
+        b_g = tl.load(g_b + o_tk, mask=m_tk, other=0.)
+        if STORE_O:
+            if EXCLUSIVE:
+                b_gq = tl.load(g_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+            else:
+                b_gq = b_g
+            b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
+            # γq is chunk-local and ≤ 0.
+            b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_s.to(dt), b_o,
+                         input_precision=DOT_PRECISION)
+        b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)),
+                        0.).to(dt)
     b_s = b_s * tl.exp(b_gl)[:, None]
     b_s = tl.dot(tl.trans(b_kd), b_v, b_s, input_precision=DOT_PRECISION)
     return b_s, b_o
 
 
-@tuned(key=["K", "V", "k", "EXCLUSIVE", "STORE_H", "STORE_O"], default=_h_default,
+@tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O"],
+       default=_h_default,
        space=_h_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_h_kernel(
     q, k, v, g_cum, A, h, o, h0, ht, cu_seqlens, chunk_offsets, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXCLUSIVE: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr, STORE_H: tl.constexpr,
+    STORE_O: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), H, N)``: one program walks one sequence's chunks for one V
@@ -277,22 +381,23 @@ def chunk_gk_fwd_h_kernel(
                           mask=m_t[:, None], other=0.).to(dt)
             b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PRECISION)
         b_s1, b_o = _gk_state_step(b_s1, b_o, b_v, q_b, k_b, g_b, h_b, 0, o_t, m_t, L, HK,
-                                   o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
-                                   DOT_PRECISION)
+                                   o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS, STORE_H,
+                                   STORE_O, DOT_PRECISION)
         if K > BK:
             b_s2, b_o = _gk_state_step(b_s2, b_o, b_v, q_b, k_b, g_b, h_b, 1, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
-                                       DOT_PRECISION)
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
+                                       STORE_H, STORE_O, DOT_PRECISION)
         if K > 2 * BK:
             b_s3, b_o = _gk_state_step(b_s3, b_o, b_v, q_b, k_b, g_b, h_b, 2, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
-                                       DOT_PRECISION)
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
+                                       STORE_H, STORE_O, DOT_PRECISION)
         if K > 3 * BK:
             b_s4, b_o = _gk_state_step(b_s4, b_o, b_v, q_b, k_b, g_b, h_b, 3, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, STORE_H, STORE_O,
-                                       DOT_PRECISION)
+                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
+                                       STORE_H, STORE_O, DOT_PRECISION)
         if STORE_O:
-            tl.store(o + (row0 * H + i_h) * V + o_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+            tl.store(o + (row0 * H + i_h) * V + o_tv, (b_o * scale).to(o.dtype.element_ty),
+                     mask=m_tv)
 
     if STORE_FINAL_STATE:
         p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
@@ -306,7 +411,7 @@ def chunk_gk_fwd_h_kernel(
 
 
 def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
-                   exclusive: bool = False):
+                   exclusive: bool = False, gate_operands: bool = False):
     """γ and the intra-chunk scores (inputs validated, time-major, contiguous).
 
     Args:
@@ -314,32 +419,39 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
         u: RWKV6's bonus ``[H, K]`` (the diagonal of A), or None.
         cu_seqlens, chunk_indices: packed sequences (B == 1) and their 64-token chunk table.
         exclusive: RWKV6's strictly causal gated scores (query gate γ − g).
+        gate_operands: also return the state pass's gated operands.
 
     Returns:
-        ``(g_cum, A)``: γ float32 ``[B, T, H, K]``; A ``[B, T, H, 64]`` in k's dtype.
+        ``(g_cum, A, qg, kg)``: γ float32 ``[B, T, H, K]``; A ``[B, T, H, 64]`` in k's
+        dtype; with ``gate_operands`` qg = Q ⊙ e^{γq} and kg = K ⊙ e^{γ_C − γ} (γ_C the
+        chunk's last row) ``[B, T, H, K]`` in k's dtype, else None and None.
     """
     B, T, H, K = k.shape
     NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     g_cum = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device)
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    qg = torch.empty_like(k) if gate_operands else None
+    kg = torch.empty_like(k) if gate_operands else None
     chunk_gk_fwd_A_kernel[(NT, B * H)](
-        q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, cu_seqlens=cu_seqlens,
+        q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
-        USE_U=u is not None, IS_VARLEN=cu_seqlens is not None,
+        USE_U=u is not None, GATE_OPERANDS=gate_operands, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=dot_precision(k.dtype))
-    return g_cum, A
+    return g_cum, A, qg, kg
 
 
 def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=None,
                    output_final_state: bool = False, store_h: bool = False,
                    store_o: bool = True, cu_seqlens=None, chunk_offsets=None, NT=None,
-                   exclusive: bool = False, out_dtype=None):
+                   exclusive: bool = False, out_dtype=None, gated_operands: bool = False):
     """The state pass: ``(o, h, final_state)``, each None unless asked for.
 
     o ``[B, T, H, V]`` (``out_dtype``, default v's) = scale·[(Q ⊙ e^{γq}) S + A V];
     h ``[B, NT, H, K, V]`` in k's dtype (``[1, NT_total, ...]`` under varlen) the state
     entering each chunk; final_state ``[N, H, K, V]`` float32. ``chunk_offsets`` (the
     first global chunk of each sequence) and ``NT`` (chunks in all) with ``cu_seqlens``.
+    ``gated_operands``: q and k are ``chunk_gk_fwd_A``'s qg and kg (the pass then reads
+    only γ's last row of each chunk).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -354,20 +466,26 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
     chunk_gk_fwd_h_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
         q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, h0=initial_state, ht=ht,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
-        BK=tile_width(K, 64), EXCLUSIVE=exclusive, STORE_H=store_h, STORE_O=store_o,
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
+        BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
+        STORE_H=store_h, STORE_O=store_o, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=dot_precision(k.dtype))
     return o, h, ht
 
 
 def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
                  output_final_state: bool = False, cu_seqlens=None, chunk_indices=None,
                  chunk_offsets=None, exclusive: bool = False, out_dtype=None):
-    """The whole forward: ``(o, final_state, g_cum, A)`` (γ and A for the backward)."""
-    g_cum, A = chunk_gk_fwd_A(q, k, g, u, cu_seqlens, chunk_indices, exclusive)
+    """The whole forward: ``(o, final_state, g_cum, A)`` (γ and A for the backward).
+
+    The scores kernel also writes the gated operands, so that the state pass reads two
+    [B, T, H, K] tiles in q's dtype a chunk instead of q, k and two fp32 γ tiles and runs
+    no exponential on its sequential chain; they are dropped after it."""
+    g_cum, A, qg, kg = chunk_gk_fwd_A(q, k, g, u, cu_seqlens, chunk_indices, exclusive,
+                                      gate_operands=True)
     NT = None if cu_seqlens is None else chunk_indices.shape[0]
-    o, _, ht = chunk_gk_fwd_h(q, k, v, g_cum, A, scale, initial_state, output_final_state,
+    o, _, ht = chunk_gk_fwd_h(qg, kg, v, g_cum, A, scale, initial_state, output_final_state,
                               store_h=False, store_o=True, cu_seqlens=cu_seqlens,
                               chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
-                              out_dtype=out_dtype)
+                              out_dtype=out_dtype, gated_operands=True)
     return o, ht, g_cum, A
