@@ -229,6 +229,23 @@ def scores_float64(q, k, g, u, cu, exclusive, chunk=64):
     return A, allowed
 
 
+def strip_spans(g, cu, exclusive, chunk=64):
+    """Each 16-row strip's span as chunk_gk_fwd_A measures it (max over channels of
+    γq_f − γ_m and γ_m − γ_e, f / m / e its first / 8th / last valid rows) for g
+    [T, H, K]: a tensor [strips, H]."""
+    spans = []
+    bounds = cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            L = min(c + chunk, eos) - c
+            gam = g[c:c + L].cumsum(0)
+            gq = gam - g[c:c + L] if exclusive else gam
+            for f in range(0, L, 16):
+                m, e = min(f + 7, L - 1), min(f + 15, L - 1)
+                spans.append(torch.maximum(gq[f] - gam[m], gam[m] - gam[e]).amax(-1))
+    return torch.stack(spans)
+
+
 def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):
     """q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} ([T, H, K]) chunk by chunk, γ chunk-local, γ_C its
     last row, γq = γ (γ − g with ``exclusive``)."""
@@ -245,20 +262,28 @@ def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("steep", [False, True], ids=["one_reference", "mixed"])
 @pytest.mark.parametrize("variant", ["gla", "rwkv6"])
-def test_intra_chunk_scores_kernel(variant, device, seed):
+def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     """chunk_gk_fwd_A alone (GLA; RWKV6's exclusive scores with the bonus u) against
     float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
-    of the K tile), gates down to −5 a step; entries above the diagonal and past the
-    chunk's end exactly zero; the state pass's gated operands q ⊙ e^{γq} and
-    k ⊙ e^{γ_C − γ} too."""
-    from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd_A
+    of the K tile); entries above the diagonal and past the chunk's end exactly zero;
+    the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too. Gates down to
+    −5 a step keep every strip's span within ONE_REFERENCE_MAX_SPAN (the one-reference
+    form); ``steep`` makes head 1's gates 4x steeper, so that strips on both sides of it
+    meet (the halving for the steep ones)."""
+    from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN, chunk_gk_fwd_A
     from fla.ops.utils.index import prepare_chunk_indices
     gen = generator(seed)
     lengths = uneven_lengths(3, gen, low=20, high=150)
     T, H, K = sum(lengths), 2, 80
     x = make_inputs(gen, B=1, T=T, H=H, K=K, V=16, h0=False)
     exclusive = variant == "rwkv6"
+    if steep:
+        x["g"][..., 1, :] *= 4
+    spans = strip_spans(x["g"][0], cu_seqlens_of(lengths), exclusive)
+    limit = float(ONE_REFERENCE_MAX_SPAN.value)
+    assert (spans <= limit).any() and ((spans > limit).any() == steep)
     u = randn((H, K), gen, torch.float64) if exclusive else None
     cu = cu_seqlens_of(lengths)
     q, k, g = (x[n][0].to(torch.float32) for n in ("q", "k", "g"))

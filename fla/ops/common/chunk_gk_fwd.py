@@ -10,31 +10,30 @@ reads the state before its token) and S = h[chunk] the state entering the chunk:
     S'   = diag(exp(γ_C)) S + (K ⊙ exp(γ_C − γ))ᵀ V
 
 ``chunk_gk_fwd_A_kernel`` (one program per chunk and head) computes γ from g in
-registers, writes it (the state pass and the backward read it) and A.
-``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) is the state pass:
-it writes O (``STORE_O``) and/or the per-chunk states (``STORE_H``, the backward's
-recomputation); no [T, K, V]-sized tensor is written on the way to O.
+registers, writes it (the state pass and the backward read it) and A, and for the
+forward's own pass the gated operands Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}: the sequential
+pass ``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) then runs no
+exponential (``GATED_OPERANDS``; the backward's recomputation of the per-chunk states,
+``STORE_H``, gates k itself). No [T, K, V]-sized tensor is written on the way to O.
 
-Numerics: no exponent is ever positive (γ reaches −5 · 64 = −320 inside a chunk:
-exp(320) overflows even fp32). A is built from 16-row strips, as tensor-core dots over
-factor-scaled q and k, with the identity (m a reference row, j ≤ m < i)::
+Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
+is built from 16-row strips, as tensor-core dots over factor-scaled q and k, with the
+identity (m a reference row)::
 
     q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − γ_mk)] · [k_jk exp(γ_mk − γ_jk)]
 
-whose two exponents are ≤ 0 (for RWKV6 γq_i = γ_{i−1} ≤ γ_m too). Pairs in different
-strips meet through m = 16·S − 1, the last row before the query's strip S: one
-[16, K] x [K, 16·S] product per strip (key blocks of 16 and 32 rows). Pairs inside a
-strip meet by halving it: at level b ∈ {16, 8, 4, 2} the strip is cut into blocks of
-b rows, and the queries of each block's second half meet the keys of its first half
-through the block's middle row m (the last row of the first half); each pair inside a
-strip is met at exactly one level (the highest bit where i and j differ), as a
-[16, K] x [K, 16] product. That is 16·(16 + 32 + 48)·K + 4·4·16·16·K = 1.375·64·64·K
-multiply-adds per chunk (six full 64 x 64 x K dots before) and 6.25·64·K exponentials
-(6·64·K before): a row's exp per level, plus the queries' and keys' through the strip
-references. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. Each
-factor is at least the product, so nothing representable underflows; a reference row
-past the chunk's end is clamped to its last row, and masked elements are zeroed before
-the exp.
+One reference per strip (``_gk_fwd_A_strip_one_ref``, m = 16·S + 7): every key up to
+the strip's end meets the strip's queries in one [16, K] x [K, 16·S + 16] product. Its
+exponents are positive only for queries before m and keys after it, by at most the
+strip's span (γ over 7-8 steps: 40 at −5 a step); the kernel measures the span and
+takes this form where it is ≤ ``ONE_REFERENCE_MAX_SPAN`` (60) and the inputs are not
+fp16. Otherwise, the halving (``_gk_fwd_A_strip``), whose exponents are all ≤ 0: pairs
+in different strips meet through m = 16·S − 1 (one [16, K] x [K, 16·S] product), pairs
+inside a strip at level b ∈ {16, 8, 4, 2} through the middle row of their b-row block
+(a [16, K] x [K, 16] product a level). The diagonal j = i is Σ_k q k (GLA: exponent 0)
+or RWKV6's bonus. In both forms a factor that underflows belongs to a product below
+e^(span − 87); a reference row past the chunk's end is clamped to its last row, and
+masked elements are zeroed before the exp.
 """
 from __future__ import annotations
 
@@ -52,6 +51,9 @@ __all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_k
            "chunk_gk_fwd_h_kernel", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64
+# The one-reference strips run where no exponent exceeds this (e^60 = 1.1e26: q, k up to
+# ~1e12 still fit bf16 / fp32 after scaling); fp16 inputs always take the halving.
+ONE_REFERENCE_MAX_SPAN = tl.constexpr(60.)
 
 
 @triton.jit
@@ -83,10 +85,11 @@ def gk_level_mask(o_t, b: tl.constexpr):
 def _A_default(args) -> Config:
     # H100, Triton 3.6, bf16, every config of the space timed (1x8192x96x128 and RWKV6's
     # 4x4096x16x128): BK = 64 with 4 warps the fastest or within 7% (8 warps 1.5-2.6x
-    # slower: the strips' [16, BK] tiles spread thin over 256 threads); writing the gated
-    # operands too, two stages (1.48 ms against 1.77 at one, 1x8192x96x128).
-    return Config(BK=tile_width(args["K"], 64), num_warps=4,
-                  num_stages=2 if args["GATE_OPERANDS"] else 1)
+    # slower: the strips' [16, BK] tiles spread thin over 256 threads). One stage for
+    # the one-reference strips (1.055 / 0.420 ms against 1.062 / 0.485 at two); the
+    # halving (fp16 inputs) writing the gated operands, two (1.47 against 1.76 ms).
+    two = args["GATE_OPERANDS"] and not args["ONE_REFERENCE"]
+    return Config(BK=tile_width(args["K"], 64), num_warps=4, num_stages=2 if two else 1)
 
 
 def _A_space(args) -> list[Config]:
@@ -106,6 +109,112 @@ def _gk_cross_keys(k_b, gc_b, b_gm, o_k, m_k, m, J0: tl.constexpr, NJ: tl.conste
     b_g = tl.load(gc_b + o_jk, mask=m_jk, other=0.)
     b_e = tl.exp(tl.where(m_jk, b_gm[None, :] - b_g, 0.))
     return tl.where(m_jk, b_k * b_e, 0.).to(k_b.dtype.element_ty)
+
+
+@triton.jit
+def _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k, m_k,
+                             L, HK):
+    """The state pass's operands for the rows ``o_ik`` of one K tile (q, k fp32; γ, γq):
+    q ⊙ e^{γq} and k ⊙ e^{γ_C − γ}, γ_C the chunk's last valid row (exponents ≤ 0)."""
+    dt = qg_b.dtype.element_ty
+    b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+    tl.store(qg_b + o_ik, (b_q * tl.exp(b_gq)).to(dt), mask=m_ik)
+    b_kg = b_k * tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0.))
+    tl.store(kg_b + o_ik, b_kg.to(dt), mask=m_ik)
+
+
+@triton.jit
+def _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr):
+    """One K tile's share of A's diagonal (no gate): Σ q k (GLA), Σ q u k (RWKV6's
+    bonus), or zeros (exclusive scores without a bonus)."""
+    if USE_U:
+        b_u = tl.load(u_h + o_k, mask=m_k, other=0.).to(tl.float32)
+        return tl.sum(b_q * b_k * b_u[None, :], axis=1)
+    elif not EXCLUSIVE:
+        return tl.sum(b_q * b_k, axis=1)
+    else:
+        return tl.sum(b_q * 0., axis=1)
+
+
+@triton.jit
+def _gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   EXCLUSIVE: tl.constexpr):
+    """The largest exponent the one-reference form of strip S would exponentiate: the
+    maximum over channels of γq_f − γ_m and γ_m − γ_e (f, e the strip's first and last
+    valid rows, m its reference row), γ being non-increasing (log decays ≤ 0)."""
+    f = tl.minimum(16 * S, L - 1)
+    m = tl.minimum(16 * S + 7, L - 1)
+    e = tl.minimum(16 * S + 15, L - 1)
+    span = 0.
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        if EXCLUSIVE:
+            # γq_f = γ_{f−1}, 0 at the chunk's first row.
+            b_gf = tl.load(gc_b + tl.maximum(f - 1, 0) * HK + o_k, mask=m_k, other=0.)
+            b_gf = tl.where(f > 0, b_gf, 0.)
+        else:
+            b_gf = tl.load(gc_b + f * HK + o_k, mask=m_k, other=0.)
+        b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
+        b_ge = tl.load(gc_b + e * HK + o_k, mask=m_k, other=0.)
+        span = tl.maximum(span, tl.max(tl.maximum(b_gf - b_gm, b_gm - b_ge), axis=0))
+    return span
+
+
+@triton.jit
+def _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr,
+                            K: tl.constexpr, BK: tl.constexpr, RS,
+                            EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
+                            GATE_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Rows 16·S … 16·S + 15 of the chunk's A through one reference row, the strip's
+    m = 16·S + 7: A_ij = [q_i e^{γq_i − γ_m}] · [k_j e^{γ_m − γ_j}] for every key j up
+    to the strip's end, one [16, BK] x [BK, 16·S + 16] product. Exponents are ≤ 0 except
+    for queries before m and keys after it, where they are at most the strip's span
+    (``_gk_strip_span``, checked by the caller); a key so far back that its factor
+    underflows meets queries whose factors are at most e^span, so what is lost is below
+    e^(span − 87). The diagonal is formed without a gate, as in the halving form."""
+    dt = k_b.dtype.element_ty
+    NJ: tl.constexpr = 16 if S == 0 else (32 if S == 1 else 64)
+    o_i = 16 * S + tl.arange(0, 16)
+    m_i = o_i < L
+    m = tl.minimum(16 * S + 7, L - 1)
+    o_j = tl.arange(0, NJ)
+    m_j = (o_j < L) & (o_j < 16 * S + 16)
+    b_a = tl.zeros([16, NJ], dtype=tl.float32)
+    b_d = tl.zeros([16], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        o_ik = o_i[:, None] * HK + o_k[None, :]
+        b_q = tl.load(q_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+        b_k = tl.load(k_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+        b_g = tl.load(gc_b + o_ik, mask=m_ik, other=0.)
+        if EXCLUSIVE:
+            b_gq = tl.load(gc_b + o_ik - HK, mask=m_ik & (o_i > 0)[:, None], other=0.)
+        else:
+            b_gq = b_g
+        if GATE_OPERANDS:
+            _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k,
+                                     m_k, L, HK)
+        b_d += _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
+        b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
+        b_qx = (b_q * tl.exp(tl.where(m_ik, b_gq - b_gm[None, :], 0.))).to(dt)
+        m_jk = m_j[:, None] & m_k[None, :]
+        o_jk = o_j[:, None] * HK + o_k[None, :]
+        b_kj = tl.load(k_b + o_jk, mask=m_jk, other=0.).to(tl.float32)
+        b_gj = tl.load(gc_b + o_jk, mask=m_jk, other=0.)
+        b_kx = (b_kj * tl.exp(tl.where(m_jk, b_gm[None, :] - b_gj, 0.))).to(dt)
+        b_a = tl.dot(b_qx, tl.trans(b_kx), b_a, input_precision=DOT_PRECISION)
+    b_a = tl.where(o_j[None, :] < o_i[:, None], b_a, 0.)
+    b_a += tl.where(o_j[None, :] == o_i[:, None], b_d[:, None], 0.)
+    ot = A_b.dtype.element_ty
+    p_i = A_b + o_i[:, None] * RS
+    tl.store(p_i + o_j[None, :], b_a.to(ot), mask=m_i[:, None])
+    if NJ < 64:
+        o_z = tl.arange(0, 64)
+        tl.store(p_i + o_z[None, :], tl.zeros([16, 64], dtype=ot),
+                 mask=m_i[:, None] & (o_z >= NJ)[None, :])
 
 
 @triton.jit
@@ -143,15 +252,9 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
         else:
             b_gq = b_g
         if GATE_OPERANDS:
-            b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
-            tl.store(qg_b + o_ik, (b_q * tl.exp(b_gq)).to(dt), mask=m_ik)
-            b_kg = b_k * tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0.))
-            tl.store(kg_b + o_ik, b_kg.to(dt), mask=m_ik)
-        if USE_U:
-            b_u = tl.load(u_h + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_d += tl.sum(b_q * b_k * b_u[None, :], axis=1)
-        elif not EXCLUSIVE:
-            b_d += tl.sum(b_q * b_k, axis=1)
+            _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k,
+                                     m_k, L, HK)
+        b_d += _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
         if S > 0:
             # A strip with a valid row has M < L; without one, no query survives its
             # mask and the clamp keeps the keys' exponents ≤ 0 all the same.
@@ -188,13 +291,15 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS"], default=_A_default,
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "ONE_REFERENCE"],
+       default=_A_default,
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
     q, k, g, u, g_cum, A, qg, kg, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-    GATE_OPERANDS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
@@ -234,8 +339,19 @@ def chunk_gk_fwd_A_kernel(
     tl.debug_barrier()
 
     for s in tl.static_range(4):
-        _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                        H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        if ONE_REFERENCE:
+            # The one-reference form where its exponents stay far inside the operands'
+            # range (16-bit inputs: bf16 holds e^±88 like fp32); the halving otherwise.
+            if _gk_strip_span(gc_b, L, HK, s, K, BK, EXCLUSIVE) <= ONE_REFERENCE_MAX_SPAN:
+                _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K,
+                                        BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
+                                        DOT_PRECISION)
+            else:
+                _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                                H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        else:
+            _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                            H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
 
 
 def _h_default(args) -> Config:
@@ -435,7 +551,8 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     chunk_gk_fwd_A_kernel[(NT, B * H)](
         q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
-        USE_U=u is not None, GATE_OPERANDS=gate_operands, IS_VARLEN=cu_seqlens is not None,
+        USE_U=u is not None, GATE_OPERANDS=gate_operands,
+        ONE_REFERENCE=k.dtype != torch.float16, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=dot_precision(k.dtype))
     return g_cum, A, qg, kg
 
