@@ -104,6 +104,22 @@ def test_matches_float64_loop(mode, dtype, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+def test_chunk_steep_and_mild_heads(dtype, device, seed):
+    """Head 0's gates within one-reference spans, head 1's 4x steeper (down to −20 a
+    step): the scores kernel takes the one-reference strips for one and the halving for
+    the other in the same call; outputs, states and gradients against float64."""
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=1, T=odd_length(gen, low=65, high=110), H=2, K=32, V=16)
+    inputs["g"][:, :, 1] *= 4
+    from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
+    spans = strip_spans(inputs["g"][0], torch.tensor([0, inputs["g"].shape[1]]), False)
+    limit = float(ONE_REFERENCE_MAX_SPAN.value)
+    assert (spans[:, 0] <= limit).all() and (spans[:, 1] > limit).any()
+    compare(inputs, dtype, device, fn=chunk_gla, gen=gen)
+
+
+@pytest.mark.interpret
 def test_chunk_wide_heads_fp16(device, seed):
     """K = 96 (two K tiles of the backward, three 32-wide state tiles), V = 48."""
     gen = generator(seed)

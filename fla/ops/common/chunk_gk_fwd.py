@@ -137,7 +137,7 @@ def _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE: tl.constexpr, USE_U: tl.con
 
 
 @triton.jit
-def _gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    EXCLUSIVE: tl.constexpr):
     """The largest exponent the one-reference form of strip S would exponentiate: the
     maximum over channels of γq_f − γ_m and γ_m − γ_e (f, e the strip's first and last
@@ -170,7 +170,7 @@ def _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.c
     m = 16·S + 7: A_ij = [q_i e^{γq_i − γ_m}] · [k_j e^{γ_m − γ_j}] for every key j up
     to the strip's end, one [16, BK] x [BK, 16·S + 16] product. Exponents are ≤ 0 except
     for queries before m and keys after it, where they are at most the strip's span
-    (``_gk_strip_span``, checked by the caller); a key so far back that its factor
+    (``gk_strip_span``, checked by the caller); a key so far back that its factor
     underflows meets queries whose factors are at most e^span, so what is lost is below
     e^(span − 87). The diagonal is formed without a gate, as in the halving form."""
     dt = k_b.dtype.element_ty
@@ -342,7 +342,7 @@ def chunk_gk_fwd_A_kernel(
         if ONE_REFERENCE:
             # The one-reference form where its exponents stay far inside the operands'
             # range (16-bit inputs: bf16 holds e^±88 like fp32); the halving otherwise.
-            if _gk_strip_span(gc_b, L, HK, s, K, BK, EXCLUSIVE) <= ONE_REFERENCE_MAX_SPAN:
+            if gk_strip_span(gc_b, L, HK, s, K, BK, EXCLUSIVE) <= ONE_REFERENCE_MAX_SPAN:
                 _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K,
                                         BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
                                         DOT_PRECISION)
