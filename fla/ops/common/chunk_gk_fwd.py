@@ -137,6 +137,32 @@ def _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE: tl.constexpr, USE_U: tl.con
 
 
 @triton.jit
+def _gk_strip_rows(q_b, k_b, gc_b, u_h, qg_b, kg_b, o_i, m_i, i_k, L, HK, K: tl.constexpr,
+                   BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
+                   GATE_OPERANDS: tl.constexpr):
+    """What both strip forms take from the strip's own rows ``o_i`` in K tile ``i_k``:
+    ``(o_k, m_k, o_ik, m_ik, q, k, γ, γq, diagonal share)`` (q, k in fp32; γq = γ_{i−1},
+    0 at the chunk's first row, for exclusive scores), storing the rows' gated operands
+    on the way (``GATE_OPERANDS``)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_ik = m_i[:, None] & m_k[None, :]
+    o_ik = o_i[:, None] * HK + o_k[None, :]
+    b_q = tl.load(q_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+    b_k = tl.load(k_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
+    b_g = tl.load(gc_b + o_ik, mask=m_ik, other=0.)
+    if EXCLUSIVE:
+        b_gq = tl.load(gc_b + o_ik - HK, mask=m_ik & (o_i > 0)[:, None], other=0.)
+    else:
+        b_gq = b_g
+    if GATE_OPERANDS:
+        _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k, m_k,
+                                 L, HK)
+    return (o_k, m_k, o_ik, m_ik, b_q, b_k, b_g, b_gq,
+            _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U))
+
+
+@triton.jit
 def gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    EXCLUSIVE: tl.constexpr):
     """The largest exponent the one-reference form of strip S would exponentiate: the
@@ -183,21 +209,10 @@ def _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.c
     b_a = tl.zeros([16, NJ], dtype=tl.float32)
     b_d = tl.zeros([16], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_ik = m_i[:, None] & m_k[None, :]
-        o_ik = o_i[:, None] * HK + o_k[None, :]
-        b_q = tl.load(q_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
-        b_k = tl.load(k_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
-        b_g = tl.load(gc_b + o_ik, mask=m_ik, other=0.)
-        if EXCLUSIVE:
-            b_gq = tl.load(gc_b + o_ik - HK, mask=m_ik & (o_i > 0)[:, None], other=0.)
-        else:
-            b_gq = b_g
-        if GATE_OPERANDS:
-            _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k,
-                                     m_k, L, HK)
-        b_d += _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
+        o_k, m_k, o_ik, m_ik, b_q, b_k, b_g, b_gq, b_dk = _gk_strip_rows(
+            q_b, k_b, gc_b, u_h, qg_b, kg_b, o_i, m_i, i_k, L, HK, K, BK, EXCLUSIVE, USE_U,
+            GATE_OPERANDS)
+        b_d += b_dk
         b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
         b_qx = (b_q * tl.exp(tl.where(m_ik, b_gq - b_gm[None, :], 0.))).to(dt)
         m_jk = m_j[:, None] & m_k[None, :]
@@ -239,22 +254,10 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
     b_s = tl.zeros([16, 16], dtype=tl.float32)
     b_d = tl.zeros([16], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_ik = m_i[:, None] & m_k[None, :]
-        o_ik = o_i[:, None] * HK + o_k[None, :]
-        b_q = tl.load(q_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
-        b_k = tl.load(k_b + o_ik, mask=m_ik, other=0.).to(tl.float32)
-        b_g = tl.load(gc_b + o_ik, mask=m_ik, other=0.)
-        if EXCLUSIVE:
-            # γq_i = γ_{i−1} (0 at the chunk's first row).
-            b_gq = tl.load(gc_b + o_ik - HK, mask=m_ik & (o_i > 0)[:, None], other=0.)
-        else:
-            b_gq = b_g
-        if GATE_OPERANDS:
-            _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k,
-                                     m_k, L, HK)
-        b_d += _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
+        o_k, m_k, o_ik, m_ik, b_q, b_k, b_g, b_gq, b_dk = _gk_strip_rows(
+            q_b, k_b, gc_b, u_h, qg_b, kg_b, o_i, m_i, i_k, L, HK, K, BK, EXCLUSIVE, USE_U,
+            GATE_OPERANDS)
+        b_d += b_dk
         if S > 0:
             # A strip with a valid row has M < L; without one, no query survives its
             # mask and the clamp keeps the keys' exponents ≤ 0 all the same.
