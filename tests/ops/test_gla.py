@@ -108,7 +108,8 @@ def test_matches_float64_loop(mode, dtype, device, seed):
 def test_chunk_steep_and_mild_heads(dtype, device, seed):
     """Head 0's gates within one-reference spans, head 1's 4x steeper (down to −20 a
     step): the scores kernel takes the one-reference strips for one and the halving for
-    the other in the same call; outputs, states and gradients against float64."""
+    the other in the same call (fp32; fp16 inputs take the halving throughout); outputs,
+    states and gradients against float64."""
     gen = generator(seed)
     inputs = make_inputs(gen, B=1, T=odd_length(gen, low=65, high=110), H=2, K=32, V=16)
     inputs["g"][:, :, 1] *= 4
