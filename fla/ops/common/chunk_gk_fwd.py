@@ -51,8 +51,9 @@ __all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_k
            "chunk_gk_fwd_h_kernel", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64
-# The one-reference strips run where no exponent exceeds this (e^60 = 1.1e26: q, k up to
-# ~1e12 still fit bf16 / fp32 after scaling); fp16 inputs always take the halving.
+# The one-reference strips run where no exponent exceeds this: e^60 ≈ 1.1e26, so a factor
+# times q or k stays inside bf16's and fp32's range (3.4e38) for |q|, |k| up to ~3e12.
+# fp16 (65504) cannot hold such factors: fp16 inputs always take the halving.
 ONE_REFERENCE_MAX_SPAN = tl.constexpr(60.)
 
 
