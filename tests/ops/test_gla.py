@@ -121,6 +121,34 @@ def test_chunk_steep_and_mild_heads(dtype, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_backward_with_and_without_the_gated_operands(exclusive, device, seed):
+    """The backward step given the forward's gated operands (what a forward with
+    gradients keeps) and given none (its two state passes gate q and k themselves)
+    agree, fp32, packed sequences."""
+    from fla.ops.gla import chunk as gla_chunk
+    from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=30, high=100)
+    x = make_inputs(gen, B=1, T=sum(lengths), H=2, K=32, V=16, N=2)
+    q, k, v, g, h0 = (x[n].float().to(device) for n in ("q", "k", "v", "g", "initial_state"))
+    u = randn((2, 32), gen, torch.float64).float().to(device) if exclusive else None
+    cu = cu_seqlens_of(lengths, device)
+    ci = prepare_chunk_indices(cu, 64)
+    co = varlen_chunk_offsets(cu, 64, cu.tolist())
+    do = randn(v.shape, gen, torch.float64).float().to(device)
+    dht = randn(h0.shape, gen, torch.float64).float().to(device)
+    _, _, g_cum, A, qg, kg = gla_chunk._forward(q, k, v, g, u, h0, 0.2, True, True, cu, ci,
+                                                co, exclusive, torch.float32)
+    rest = (h0, cu, ci, co, do, dht, 0.2, exclusive)
+    with_ops = gla_chunk._backward(q, k, v, g, u, g_cum, A, qg, kg, *rest)
+    without = gla_chunk._backward(q, k, v, g, u, g_cum, A, None, None, *rest)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "du", "dh0"), with_ops, without):
+        if b is not None:
+            assert_rel_close(name, a, b, 1e-5)
+
+
+@pytest.mark.interpret
 def test_chunk_wide_heads_fp16(device, seed):
     """K = 96 (two K tiles of the backward, three 32-wide state tiles), V = 48."""
     gen = generator(seed)

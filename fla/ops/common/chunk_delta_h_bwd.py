@@ -83,23 +83,30 @@ def _dhu_space(args) -> list[Config]:
 
 
 @triton.jit
-def _gk_decay_to_end(b_x, g, p_g, m, b_gl, dt):
+def _gk_decay_to_end(b_x, g, p_g, m, b_gl, dt, GATED: tl.constexpr):
     """A [BT, BK] tile times exp(γ_L − γ) channel by channel (``b_gl`` [BK] = γ_L; the
-    exponents are ≤ 0 and masked before exp), in ``dt``."""
+    exponents are ≤ 0 and masked before exp), in ``dt``; ``GATED``: the tile is already
+    K ⊙ exp(γ_L − γ) (the forward's gated operand)."""
+    if GATED:
+        return b_x.to(dt)
     b_g = tl.load(g + p_g, mask=m, other=0.).to(tl.float32)
     return (b_x.to(tl.float32) * tl.where(m, tl.exp(tl.where(m, b_gl[None, :] - b_g, 0.)),
                                           0.)).to(dt)
 
 
 @triton.jit
-def _gk_query_tile(b_q, gq, p_g, m, scale, dt):
-    """scale · Q ⊙ exp(γq) for one [BT, BK] tile (γq chunk-local, ≤ 0), in ``dt``."""
+def _gk_query_tile(b_q, gq, p_g, m, scale, dt, GATED: tl.constexpr):
+    """scale · Q ⊙ exp(γq) for one [BT, BK] tile (γq chunk-local, ≤ 0), in ``dt``;
+    ``GATED``: the tile is already Q ⊙ exp(γq)."""
+    if GATED:
+        return (b_q.to(tl.float32) * scale).to(dt)
     b_g = tl.load(gq + p_g, mask=m, other=0.).to(tl.float32)
     return (b_q.to(tl.float32) * scale * tl.exp(b_g)).to(dt)
 
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
-             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "FEW_PROGRAMS"],
+             "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "GATED_OPERANDS",
+             "FEW_PROGRAMS"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -110,7 +117,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
-    FEW_PROGRAMS: tl.constexpr = 0,
+    GATED_OPERANDS: tl.constexpr = False, FEW_PROGRAMS: tl.constexpr = 0,
 ):
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
@@ -218,28 +225,32 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             # exp(γ_L − γ) = 1 / exp(γ − γ_L): passed as exp(−(γ − γ_L)) via the negated
             # reference, never as a quotient.
             b_k = _gk_decay_to_end(b_k, g, k_rows + o_k1[None, :],
-                                   m_t[:, None] & m_k1[None, :], b_gl1, dt)
+                                   m_t[:, None] & m_k1[None, :], b_gl1, dt,
+                                   GATED_OPERANDS)
         b_dv2 += tl.dot(b_k, b_dh1.to(dt), input_precision=DOT_PRECISION)
         if K > BK:
             b_k = tl.load(k + k_rows + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :],
                           other=0.)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k2[None, :],
-                                       m_t[:, None] & m_k2[None, :], b_gl2, dt)
+                                       m_t[:, None] & m_k2[None, :], b_gl2, dt,
+                                       GATED_OPERANDS)
             b_dv2 += tl.dot(b_k, b_dh2.to(dt), input_precision=DOT_PRECISION)
         if K > 2 * BK:
             b_k = tl.load(k + k_rows + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :],
                           other=0.)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k3[None, :],
-                                       m_t[:, None] & m_k3[None, :], b_gl3, dt)
+                                       m_t[:, None] & m_k3[None, :], b_gl3, dt,
+                                       GATED_OPERANDS)
             b_dv2 += tl.dot(b_k, b_dh3.to(dt), input_precision=DOT_PRECISION)
         if K > 3 * BK:
             b_k = tl.load(k + k_rows + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :],
                           other=0.)
             if USE_GK:
                 b_k = _gk_decay_to_end(b_k, g, k_rows + o_k4[None, :],
-                                       m_t[:, None] & m_k4[None, :], b_gl4, dt)
+                                       m_t[:, None] & m_k4[None, :], b_gl4, dt,
+                                       GATED_OPERANDS)
             b_dv2 += tl.dot(b_k, b_dh4.to(dt), input_precision=DOT_PRECISION)
         if USE_G:
             b_dv2 *= b_decay[:, None]
@@ -272,7 +283,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if USE_GK:
             b_q = _gk_query_tile(b_q, gq, k_rows + o_k1[None, :] + gq_shift,
                                  m_q[:, None] & m_k1[None, :],
-                                 scale, dt)
+                                 scale, dt, GATED_OPERANDS)
             b_dh1 *= tl.exp(b_gl1)[:, None]
         else:
             b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -290,7 +301,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                               other=0.)
             if USE_GK:
                 b_q = _gk_query_tile(b_q, gq, k_rows + o_k2[None, :] + gq_shift,
-                                     m_q[:, None] & m_k2[None, :], scale, dt)
+                                     m_q[:, None] & m_k2[None, :], scale, dt,
+                                     GATED_OPERANDS)
                 b_dh2 *= tl.exp(b_gl2)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -308,7 +320,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                               other=0.)
             if USE_GK:
                 b_q = _gk_query_tile(b_q, gq, k_rows + o_k3[None, :] + gq_shift,
-                                     m_q[:, None] & m_k3[None, :], scale, dt)
+                                     m_q[:, None] & m_k3[None, :], scale, dt,
+                                     GATED_OPERANDS)
                 b_dh3 *= tl.exp(b_gl3)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -326,7 +339,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                               other=0.)
             if USE_GK:
                 b_q = _gk_query_tile(b_q, gq, k_rows + o_k4[None, :] + gq_shift,
-                                     m_q[:, None] & m_k4[None, :], scale, dt)
+                                     m_q[:, None] & m_k4[None, :], scale, dt,
+                                     GATED_OPERANDS)
                 b_dh4 *= tl.exp(b_gl4)[:, None]
             else:
                 b_q = (b_q.to(tl.float32) * b_qscale[:, None]).to(dt)
@@ -368,6 +382,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     Aqk: torch.Tensor | None = None,
     gq: torch.Tensor | None = None,
     gq_exclusive: bool = False,
+    gated_operands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -393,6 +408,9 @@ def chunk_gated_delta_rule_bwd_dhu(
             (RWKV6: exclusive, γ − w); None: γ itself.
         gq_exclusive: with a vector gate, the query side's gate is γ one token earlier
             (RWKV6's γ − w, read from g itself; ``gq`` is ignored).
+        gated_operands: with a vector gate, q and k are the forward's gated operands
+            Q ⊙ exp(γq) and K ⊙ exp(γ_L − γ) (``chunk_gk_fwd_A``'s qg and kg): the pass
+            then reads only γ_L from g and runs no exponential over a tile.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -440,7 +458,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive) if vector_gate else
+        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive,
+                GATED_OPERANDS=gated_operands) if vector_gate else
            # (0 with the vector gate, whose defaults do not read it.)
            dict(FEW_PROGRAMS=sequential_grid_fill(N, H, V))),
     )

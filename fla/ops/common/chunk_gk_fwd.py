@@ -596,12 +596,15 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
 
 def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
                  output_final_state: bool = False, cu_seqlens=None, chunk_indices=None,
-                 chunk_offsets=None, exclusive: bool = False, out_dtype=None):
-    """The whole forward: ``(o, final_state, g_cum, A)`` (γ and A for the backward).
+                 chunk_offsets=None, exclusive: bool = False, out_dtype=None,
+                 keep_operands: bool = False):
+    """The whole forward: ``(o, final_state, g_cum, A, qg, kg)`` (γ and A for the
+    backward; the gated operands qg, kg too with ``keep_operands``, else None).
 
     The scores kernel also writes the gated operands, so that the state pass reads two
     [B, T, H, K] tiles in q's dtype a chunk instead of q, k and two fp32 γ tiles and runs
-    no exponential on its sequential chain; they are dropped after it."""
+    no exponential on its sequential chain; the backward's two state passes can read
+    them the same way (``keep_operands``), else they are dropped after the pass."""
     g_cum, A, qg, kg = chunk_gk_fwd_A(q, k, g, u, cu_seqlens, chunk_indices, exclusive,
                                       gate_operands=True)
     NT = None if cu_seqlens is None else chunk_indices.shape[0]
@@ -609,4 +612,6 @@ def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
                               store_h=False, store_o=True, cu_seqlens=cu_seqlens,
                               chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
                               out_dtype=out_dtype, gated_operands=True)
-    return o, ht, g_cum, A
+    if not keep_operands:
+        qg = kg = None
+    return o, ht, g_cum, A, qg, kg

@@ -10,8 +10,9 @@ kernels (``fla.ops.common.chunk_gk_fwd``), with γ the chunk-local cumsum of the
 
 Backward: the states h recomputed (``chunk_gk_fwd_h``, no output); the reverse state pass
 (``chunk_delta_h_bwd``, vector gate) gives dh, dh0 and dV (its in-chunk part scale·Aᵀ dO
-from the saved A); ``chunk_gk_bwd`` gives dQ, dK and ∂L/∂g (the reverse chunk-local
-cumsum of ∂L/∂γ done in registers).
+from the saved A); both passes read the forward's gated operands Q ⊙ e^{γq} and
+K ⊙ e^{γ_C − γ}, kept when an input needed a gradient. ``chunk_gk_bwd`` gives dQ, dK and
+∂L/∂g (the reverse chunk-local cumsum of ∂L/∂γ done in registers).
 
 RWKV6 runs the same stages with ``exclusive=True`` (its query reads the state before its
 token: query gate γ − w, strictly causal A) and its bonus u on A's diagonal.
@@ -35,26 +36,32 @@ __all__ = ["chunk_gla", "chunk_gla_on_inputs"]
 CHUNK_SIZE = 64
 
 
-def _forward(q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens,
-             chunk_indices, chunk_offsets, exclusive, out_dtype):
-    """``(o, final_state, g_cum, A)`` by the GLA forward stages."""
+def _forward(q, k, v, g, u, initial_state, scale, output_final_state, keep_operands,
+             cu_seqlens, chunk_indices, chunk_offsets, exclusive, out_dtype):
+    """``(o, final_state, g_cum, A, qg, kg)`` by the GLA forward stages; the gated
+    operands qg, kg (for the backward's state passes) None unless ``keep_operands``."""
     return chunk_gk_fwd(q, k, v, g, scale, u=u, initial_state=initial_state,
                         output_final_state=output_final_state, chunk_offsets=chunk_offsets,
                         exclusive=exclusive, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
-                        chunk_indices=chunk_indices)
+                        chunk_indices=chunk_indices, keep_operands=keep_operands)
 
 
-def _backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
+def _backward(q, k, v, g, u, g_cum, A, qg, kg, initial_state, cu_seqlens, chunk_indices,
               chunk_offsets, do, dht, scale, exclusive):
-    """Gradients (dq, dk, dv, dg, du, dh0) from the forward's saved tensors."""
+    """Gradients (dq, dk, dv, dg, du, dh0) from the forward's saved tensors. With the
+    gated operands (a forward run with gradients enabled) both state passes read them
+    and form no exponential over a tile; without, they gate q and k themselves."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     NT = None if cu_seqlens is None else chunk_indices.shape[0]
-    _, h, _ = chunk_gk_fwd_h(q, k, v, g_cum, None, scale, initial_state, False,
+    gated = qg is not None
+    q_pass, k_pass = (qg, kg) if gated else (q, k)
+    _, h, _ = chunk_gk_fwd_h(q_pass, k_pass, v, g_cum, None, scale, initial_state, False,
                              store_h=True, store_o=False, cu_seqlens=cu_seqlens,
-                             chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive)
+                             chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
+                             gated_operands=gated)
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
-        q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
-        Aqk=A, gq_exclusive=exclusive, **varlen)
+        q_pass, k_pass, None, g_cum, initial_state, dht, do, None, scale,
+        chunk_size=CHUNK_SIZE, Aqk=A, gq_exclusive=exclusive, gated_operands=gated, **varlen)
     dq, dk, dg, du = chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale, u=u,
                                        exclusive=exclusive, **varlen)
     return (dq, dk, dv.to(v.dtype), dg, None if u is None else du.to(u.dtype),
@@ -62,38 +69,41 @@ def _backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
 
 
 # The forward and backward steps as custom ops joined by the autograd formula below; the
-# forward also returns γ and A (64 values a token and head); h (K·V/64 a token) is
-# recomputed in the backward.
+# forward also returns γ and A (64 values a token and head) and, when an input needs a
+# gradient, the gated operands (2·K values a token and head, in q's dtype; empty
+# placeholders otherwise); h (K·V/64 a token) is recomputed in the backward.
 _chunk_fwd = stage_op(
     "chunk_gla_fwd", _forward, label="gla.fwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor? initial_state, "
-           "float scale, bool output_final_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
-           "Tensor? chunk_offsets, bool exclusive, ScalarType out_dtype) "
-           "-> (Tensor, Tensor, Tensor, Tensor)")
+           "float scale, bool output_final_state, bool keep_operands, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, Tensor? chunk_offsets, bool exclusive, "
+           "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_gla_bwd", _backward, label="gla.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor g_cum, Tensor A, "
-           "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
-           "Tensor? chunk_offsets, Tensor do, Tensor? dht, float scale, bool exclusive) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "Tensor? qg, Tensor? kg, Tensor? initial_state, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, Tensor? chunk_offsets, Tensor do, Tensor? dht, "
+           "float scale, bool exclusive) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
-     chunk_offsets, exclusive, _) = inputs
-    _, _, g_cum, A = output
-    ctx.save_for_backward(q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices,
-                          chunk_offsets)
+    (q, k, v, g, u, initial_state, scale, output_final_state, keep_operands, cu_seqlens,
+     chunk_indices, chunk_offsets, exclusive, _) = inputs
+    _, _, g_cum, A, qg, kg = output
+    ctx.save_for_backward(q, k, v, g, u, g_cum, A, present(qg, keep_operands),
+                          present(kg, keep_operands), initial_state, cu_seqlens,
+                          chunk_indices, chunk_offsets)
     ctx.scale, ctx.exclusive = scale, exclusive
     ctx.output_final_state = output_final_state
 
 
-def _backward_formula(ctx, do, dht, _dg_cum, _dA):
+def _backward_formula(ctx, do, dht, _dg_cum, _dA, _dqg, _dkg):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, du, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.exclusive)
     return (dq, dk, dv, dg, present(du, saved[4] is not None),
-            present(dh0, saved[7] is not None), None, None, None, None, None, None, None)
+            present(dh0, saved[9] is not None), None, None, None, None, None, None, None,
+            None)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -101,12 +111,12 @@ _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 
 def _backward_args(args, outputs):
     """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
-    (q, k, v, g, u, initial_state, scale, output_final_state, cu_seqlens, chunk_indices,
-     chunk_offsets, exclusive, _) = args
-    o, final_state, g_cum, A = outputs
-    return (q, k, v, g, u, g_cum, A, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-            torch.empty_like(o), final_state if output_final_state else None,
-            scale, exclusive)
+    (q, k, v, g, u, initial_state, scale, output_final_state, keep_operands, cu_seqlens,
+     chunk_indices, chunk_offsets, exclusive, _) = args
+    o, final_state, g_cum, A, qg, kg = outputs
+    return (q, k, v, g, u, g_cum, A, present(qg, keep_operands), present(kg, keep_operands),
+            initial_state, cu_seqlens, chunk_indices, chunk_offsets, torch.empty_like(o),
+            final_state if output_final_state else None, scale, exclusive)
 
 
 compile_ahead.follow("gla.fwd", "gla.bwd", _backward, _backward_args)
@@ -139,9 +149,11 @@ def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool 
                                               cu_seqlens_cpu=x.seq_offsets)
         chunk_offsets = varlen_chunk_offsets(x.cu_seqlens, CHUNK_SIZE, x.seq_offsets)
     u = x.u.contiguous() if exclusive and x.u is not None else None
-    o, final_state, _, _ = _chunk_fwd(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
-                                      output_final_state, x.cu_seqlens, chunk_indices,
-                                      chunk_offsets, exclusive, out_dtype)
+    keep_operands = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x.q, x.k, x.v, x.gk, u, x.initial_state))
+    o, final_state, *_ = _chunk_fwd(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
+                                    output_final_state, keep_operands, x.cu_seqlens,
+                                    chunk_indices, chunk_offsets, exclusive, out_dtype)
     return o, present(final_state, output_final_state)
 
 
