@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_gk_fwd import gk_level_factor, gk_level_mask
+from fla.ops.common.chunk_gk_fwd import (ONE_REFERENCE_MAX_SPAN, gk_level_factor,
+                                         gk_level_mask)
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
@@ -60,6 +61,24 @@ def _space(args) -> list[Config]:
         Config(BK=tile_width(args["K"], bk), BV=tile_width(args["V"], bv), num_warps=w,
                num_stages=s)
         for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)))
+
+
+@triton.jit
+def _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK,
+                   b: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Level ``b`` of the halving: the pairs (i, j) in one b-row block, i in its second
+    half and j in its first, met through the block's middle row (exponents ≤ 0). The
+    operands in fp32 (see the kernel)."""
+    dt = tl.float32
+    second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, b)
+    b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
+    b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
+    b_dAl = tl.where(gk_level_mask(o_t, b), b_dA, 0.).to(dt)
+    b_dq += tl.where(second[:, None],
+                     tl.dot(b_dAl, b_ke, input_precision=DOT_PRECISION) * b_e, 0.)
+    b_dk += tl.where(second[:, None], 0.,
+                     tl.dot(tl.trans(b_dAl), b_qe, input_precision=DOT_PRECISION) * b_e)
+    return b_dq, b_dk
 
 
 @tuned(key=["K", "V", "q", "dg", "EXCLUSIVE", "USE_U"], default=_default, space=_space)
@@ -141,15 +160,34 @@ def chunk_gk_bwd_dqkg_kernel(
     b_dk = tl.where(m_tk, b_dks * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_kdk = tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
 
-    for lvl in tl.static_range(6):
-        second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, 64 >> lvl)
-        b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
-        b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
-        b_dAl = tl.where(gk_level_mask(o_t, 64 >> lvl), b_dA, 0.).to(dt)
-        b_dq += tl.where(second[:, None],
-                         tl.dot(b_dAl, b_ke, input_precision=DOT_PRECISION) * b_e, 0.)
-        b_dk += tl.where(second[:, None], 0.,
-                         tl.dot(tl.trans(b_dAl), b_qe, input_precision=DOT_PRECISION) * b_e)
+    # Pairs in different 16-row blocks: the two outer halving levels (every exponent
+    # ≤ 0).
+    for lvl in tl.static_range(2):
+        b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k,
+                                    m_k, L, HK, 64 >> lvl, DOT_PRECISION)
+    # Pairs inside a 16-row block: through the block's row r = 16·b + 7 in one product
+    # for all four blocks, dq_i += e^{γq_i − γ_r} Σ_j dA_ij k_j e^{γ_r − γ_j} and
+    # dk_j += e^{γ_r − γ_j} Σ_i dA_ij q_i e^{γq_i − γ_r}. Exponents are positive for rows
+    # before r (query side) and after it (key side), by at most the block's span; where
+    # a tile's span exceeds ONE_REFERENCE_MAX_SPAN, the four inner halving levels.
+    o_r = tl.minimum((o_t // 16) * 16 + 7, L - 1)
+    b_gr = tl.load(gc_b + o_r[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
+    b_xk = tl.where(m_tk, b_gr - b_g, 0.)
+    b_xq = tl.where(m_tk, b_gq - b_gr, 0.)
+    if tl.max(tl.max(tl.maximum(b_xk, b_xq), axis=1), axis=0) <= ONE_REFERENCE_MAX_SPAN:
+        b_ek = tl.exp(b_xk)
+        b_eq = tl.exp(b_xq)
+        in_block = ((o_t // 16)[:, None] == (o_t // 16)[None, :]) & (
+            o_t[None, :] < o_t[:, None])
+        b_dAd = tl.where(in_block, b_dA, 0.).to(dt)
+        b_dq += tl.dot(b_dAd, (b_k.to(tl.float32) * b_ek).to(dt),
+                       input_precision=DOT_PRECISION) * b_eq
+        b_dk += tl.dot(tl.trans(b_dAd), (b_q.to(tl.float32) * b_eq).to(dt),
+                       input_precision=DOT_PRECISION) * b_ek
+    else:
+        for lvl in tl.static_range(2, 6):
+            b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t,
+                                        o_k, m_k, L, HK, 64 >> lvl, DOT_PRECISION)
 
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
