@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_gk_fwd import (ONE_REFERENCE_MAX_SPAN, gk_level_factor,
-                                         gk_level_mask, gk_strip_span_tile)
+                                         gk_level_mask)
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
@@ -81,21 +81,16 @@ def _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k, m_k, L
     return b_dq, b_dk
 
 
-@tuned(key=["K", "V", "q", "dg", "EXCLUSIVE", "USE_U", "ONE_REF_BLOCKS"], default=_default,
-       space=_space)
+@tuned(key=["K", "V", "q", "dg", "EXCLUSIVE", "USE_U"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_bwd_dqkg_kernel(
     q, k, v, g_cum, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_indices, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, ONE_REF_BLOCKS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NK, NT, B·H)``. dq, dk ``[B, T, H, K]`` (q's dtype), dg (g's dtype);
-    du ``[NT_total, H, K]`` float32 per-chunk partials (``USE_U``). Runs only the chunks
-    whose 16-row blocks' spans are ≤ ONE_REFERENCE_MAX_SPAN (``ONE_REF_BLOCKS``) or only
-    the others: the launcher runs it both ways, so that each compiled kernel holds one
-    form of the in-block pairs (one kernel with both, the choice made at run time, took
-    0.6 ms more at 1x8192x96x128 on H100)."""
+    du ``[NT_total, H, K]`` float32 per-chunk partials (``USE_U``)."""
     BT: tl.constexpr = 64
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -112,123 +107,124 @@ def chunk_gk_bwd_dqkg_kernel(
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     HK = H * K
-    gc_b = g_cum + (row0 * H + i_h) * K
-    # Whether every 16-row block keeps its one-reference exponents in range in this
-    # tile's channels (the blocks are chunk_gk_fwd's strips).
-    span = tl.maximum(tl.maximum(gk_strip_span_tile(gc_b, L, HK, 0, o_k, m_k, EXCLUSIVE),
-                                 gk_strip_span_tile(gc_b, L, HK, 1, o_k, m_k, EXCLUSIVE)),
-                      tl.maximum(gk_strip_span_tile(gc_b, L, HK, 2, o_k, m_k, EXCLUSIVE),
-                                 gk_strip_span_tile(gc_b, L, HK, 3, o_k, m_k, EXCLUSIVE)))
-    if ONE_REF_BLOCKS:
-        run = span <= ONE_REFERENCE_MAX_SPAN
+    # The gated dots on fp32 operands (DOT_PRECISION from fp32_dot_precision): dg is a
+    # cancelling sum of q⊙dq − k⊙dk, and bf16-rounded dA, q̃ or k̃ miss its bound. The
+    # dots over V take dO, V, h and dh as stored (their products are exact in any
+    # operand precision that holds the inputs' dtype) at the 16-bit rate.
+    dt = tl.float32
+    if do.dtype.element_ty == v.dtype.element_ty:
+        vt = v.dtype.element_ty
     else:
-        run = span > ONE_REFERENCE_MAX_SPAN
-    if run:
-        # The gated dots on fp32 operands (DOT_PRECISION from fp32_dot_precision): dg is a
-        # cancelling sum of q⊙dq − k⊙dk, and bf16-rounded dA, q̃ or k̃ miss its bound. The
-        # dots over V take dO, V, h and dh as stored (their products are exact in any
-        # operand precision that holds the inputs' dtype) at the 16-bit rate.
-        dt = tl.float32
-        if do.dtype.element_ty == v.dtype.element_ty:
-            vt = v.dtype.element_ty
-        else:
-            vt = tl.float32
-        base = (row0 * H + i_h) * K
-        # Scalar int64 bases, int32 tile offsets (64-bit address tiles cost two registers
-        # an element).
-        o_tk = o_t[:, None] * HK + o_k[None, :]
-        v_b, do_b = v + (row0 * H + i_h) * V, do + (row0 * H + i_h) * V
-        h_b, dh_b = h + (i_tg * H + i_h) * (K * V), dh + (i_tg * H + i_h) * (K * V)
+        vt = tl.float32
+    base = (row0 * H + i_h) * K
+    # Scalar int64 bases, int32 tile offsets (64-bit address tiles cost two registers
+    # an element).
+    o_tk = o_t[:, None] * HK + o_k[None, :]
+    gc_b = g_cum + base
+    v_b, do_b = v + (row0 * H + i_h) * V, do + (row0 * H + i_h) * V
+    h_b, dh_b = h + (i_tg * H + i_h) * (K * V), dh + (i_tg * H + i_h) * (K * V)
 
-        b_dA = tl.zeros([BT, BT], dtype=tl.float32)
-        b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
-        b_dks = tl.zeros([BT, BK], dtype=tl.float32)   # V dS'ᵀ
-        b_hdh = tl.zeros([BK], dtype=tl.float32)       # Σ_v S ⊙ dS'
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            o_tv = o_t[:, None] * (H * V) + o_v[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_do = tl.load(do_b + o_tv, mask=m_tv, other=0.).to(vt)
-            b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(vt)
-            o_s = o_k[:, None] * V + o_v[None, :]
-            m_s = m_k[:, None] & m_v[None, :]
-            b_h = tl.load(h_b + o_s, mask=m_s, other=0.)
-            b_dh = tl.load(dh_b + o_s, mask=m_s, other=0.)
-            b_dA = tl.dot(b_do, tl.trans(b_v), b_dA, input_precision=DOT_PRECISION)
-            b_dqs = tl.dot(b_do, tl.trans(b_h.to(vt)), b_dqs,
-                           input_precision=DOT_PRECISION)
-            b_dks = tl.dot(b_v, tl.trans(b_dh.to(vt)), b_dks,
-                           input_precision=DOT_PRECISION)
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        b_dA = b_dA * scale
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)   # V dS'ᵀ
+    b_hdh = tl.zeros([BK], dtype=tl.float32)       # Σ_v S ⊙ dS'
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        o_tv = o_t[:, None] * (H * V) + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_do = tl.load(do_b + o_tv, mask=m_tv, other=0.).to(vt)
+        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(vt)
+        o_s = o_k[:, None] * V + o_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h_b + o_s, mask=m_s, other=0.)
+        b_dh = tl.load(dh_b + o_s, mask=m_s, other=0.)
+        b_dA = tl.dot(b_do, tl.trans(b_v), b_dA, input_precision=DOT_PRECISION)
+        b_dqs = tl.dot(b_do, tl.trans(b_h.to(vt)), b_dqs,
+                       input_precision=DOT_PRECISION)
+        b_dks = tl.dot(b_v, tl.trans(b_dh.to(vt)), b_dks,
+                       input_precision=DOT_PRECISION)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_dA = b_dA * scale
 
-        b_g = tl.load(gc_b + o_tk, mask=m_tk, other=0.)
-        if EXCLUSIVE:
-            b_gq = tl.load(gc_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
-        else:
-            b_gq = b_g
-        b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
-        b_q = tl.load(q + base + o_tk, mask=m_tk, other=0.)
-        b_k = tl.load(k + base + o_tk, mask=m_tk, other=0.)
-        # Through the states: exponents γq ≤ 0 and γ_C − γ ≤ 0.
-        b_dq = b_dqs * scale * tl.exp(b_gq)
-        b_dk = tl.where(m_tk, b_dks * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
-        b_kdk = tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
+    b_g = tl.load(gc_b + o_tk, mask=m_tk, other=0.)
+    if EXCLUSIVE:
+        b_gq = tl.load(gc_b + o_tk - HK, mask=m_tk & (o_t > 0)[:, None], other=0.)
+    else:
+        b_gq = b_g
+    b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+    b_q = tl.load(q + base + o_tk, mask=m_tk, other=0.)
+    b_k = tl.load(k + base + o_tk, mask=m_tk, other=0.)
+    # Through the states: exponents γq ≤ 0 and γ_C − γ ≤ 0.
+    b_dq = b_dqs * scale * tl.exp(b_gq)
+    b_dk = tl.where(m_tk, b_dks * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
+    b_kdk = tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
 
-        # Pairs in different 16-row blocks: the two outer halving levels (every exponent
-        # ≤ 0).
-        for lvl in tl.static_range(2):
-            b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k,
-                                        m_k, L, HK, 64 >> lvl, DOT_PRECISION)
-        # Pairs inside a 16-row block: through the block's row r = 16·b + 7 in one product
-        # for all four blocks, dq_i += e^{γq_i − γ_r} Σ_j dA_ij k_j e^{γ_r − γ_j} and
-        # dk_j += e^{γ_r − γ_j} Σ_i dA_ij q_i e^{γq_i − γ_r} (exponents positive for rows
-        # before r on the query side and after it on the key side, by at most the block's
-        # span: chunk_gk_fwd's one-reference strips); else the four inner halving levels.
-        if ONE_REF_BLOCKS:
-            o_r = tl.minimum((o_t // 16) * 16 + 7, L - 1)
-            b_gr = tl.load(gc_b + o_r[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
-            b_ek = tl.exp(tl.where(m_tk, b_gr - b_g, 0.))
-            b_eq = tl.exp(tl.where(m_tk, b_gq - b_gr, 0.))
-            in_block = ((o_t // 16)[:, None] == (o_t // 16)[None, :]) & (
-                o_t[None, :] < o_t[:, None])
-            b_dAd = tl.where(in_block, b_dA, 0.).to(dt)
-            b_dq += tl.dot(b_dAd, (b_k.to(tl.float32) * b_ek).to(dt),
-                           input_precision=DOT_PRECISION) * b_eq
-            b_dk += tl.dot(tl.trans(b_dAd), (b_q.to(tl.float32) * b_eq).to(dt),
-                           input_precision=DOT_PRECISION) * b_ek
-        else:
-            for lvl in tl.static_range(2, 6):
-                b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t,
-                                            o_k, m_k, L, HK, 64 >> lvl, DOT_PRECISION)
+    # Pairs in different 16-row blocks: the two outer halving levels (every exponent
+    # ≤ 0).
+    for lvl in tl.static_range(2):
+        b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k,
+                                    m_k, L, HK, 64 >> lvl, DOT_PRECISION)
+    # Pairs inside a 16-row block, by a loop of one or four levels (its trip count read
+    # from the data, so that one compiled body serves both: a run-time choice between
+    # two bodies, or a second launch for the other, cost 0.4-0.6 ms at 1x8192x96x128 on
+    # H100). One level where the tile's exponents allow: every pair of a block through
+    # its row r = 16·b + 7, dq_i += e^{γq_i − γ_r} Σ_j dA_ij k_j e^{γ_r − γ_j} and
+    # dk_j += e^{γ_r − γ_j} Σ_i dA_ij q_i e^{γq_i − γ_r}, exponents positive for queries
+    # before r and keys after it by at most the block's span (chunk_gk_fwd's
+    # one-reference strips). Otherwise the four inner halving levels (b = 16, 8, 4, 2:
+    # queries in a block's second half, keys in its first, through its middle row).
+    o_r = tl.minimum((o_t // 16) * 16 + 7, L - 1)
+    b_gr = tl.load(gc_b + o_r[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
+    span = tl.max(tl.max(tl.where(m_tk, tl.maximum(b_gr - b_g, b_gq - b_gr), 0.), axis=1),
+                  axis=0)
+    one_ref = span <= ONE_REFERENCE_MAX_SPAN
+    for lvl in range(tl.where(one_ref, 1, 4)):
+        b = 16 >> lvl
+        half = b // 2
+        o_m = tl.minimum((o_t // b) * b + (half - 1), L - 1)
+        # Every row both a query and a key at the one-reference level.
+        force = tl.where(one_ref, half, 0)
+        is_q = ((o_t | force) & half) != 0
+        is_k = ((o_t & ~force) & half) == 0
+        b_gm = tl.load(gc_b + o_m[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
+        b_eq = tl.exp(tl.where(m_tk & is_q[:, None], b_gq - b_gm, 0.))
+        b_ek = tl.exp(tl.where(m_tk & is_k[:, None], b_gm - b_g, 0.))
+        pairs = (((o_t // b)[:, None] == (o_t // b)[None, :]) & is_q[:, None]
+                 & is_k[None, :] & (o_t[None, :] < o_t[:, None]))
+        b_dAl = tl.where(pairs, b_dA, 0.).to(dt)
+        b_dq += tl.dot(b_dAl, (b_k.to(tl.float32) * b_ek).to(dt),
+                       input_precision=DOT_PRECISION) * b_eq
+        b_dk += tl.dot(tl.trans(b_dAl), (b_q.to(tl.float32) * b_eq).to(dt),
+                       input_precision=DOT_PRECISION) * b_ek
 
-        b_q = b_q.to(tl.float32)
-        b_k = b_k.to(tl.float32)
-        # The gate: x = q ⊙ dq − k ⊙ dk (+ the state's decay at the last row), summed from
-        # each token to the chunk's end.
-        b_qdq = b_q * b_dq
-        b_x = b_qdq - b_k * b_dk
-        b_term = tl.exp(b_gl) * b_hdh + b_kdk
-        b_x += tl.where((o_t == L - 1)[:, None], b_term[None, :], 0.)
-        b_dg = tl.sum(b_x, axis=0)[None, :] - tl.cumsum(b_x, axis=0) + b_x
-        if EXCLUSIVE:
-            b_dg -= b_qdq
-        tl.store(dg + base + o_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    # The gate: x = q ⊙ dq − k ⊙ dk (+ the state's decay at the last row), summed from
+    # each token to the chunk's end.
+    b_qdq = b_q * b_dq
+    b_x = b_qdq - b_k * b_dk
+    b_term = tl.exp(b_gl) * b_hdh + b_kdk
+    b_x += tl.where((o_t == L - 1)[:, None], b_term[None, :], 0.)
+    b_dg = tl.sum(b_x, axis=0)[None, :] - tl.cumsum(b_x, axis=0) + b_x
+    if EXCLUSIVE:
+        b_dg -= b_qdq
+    tl.store(dg + base + o_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
-        # The diagonal (no gate): GLA's Σ q k, RWKV6's bonus Σ q u k.
-        b_dd = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dA, 0.), axis=1)
-        if USE_U:
-            b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_dq += b_dd[:, None] * b_k * b_u[None, :]
-            b_dk += b_dd[:, None] * b_q * b_u[None, :]
-            tl.store(du + (i_tg * H + i_h) * K + o_k,
-                     tl.sum(b_dd[:, None] * b_q * b_k, axis=0), mask=m_k)
-        elif not EXCLUSIVE:
-            b_dq += b_dd[:, None] * b_k
-            b_dk += b_dd[:, None] * b_q
-        tl.store(dq + base + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + base + o_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    # The diagonal (no gate): GLA's Σ q k, RWKV6's bonus Σ q u k.
+    b_dd = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dA, 0.), axis=1)
+    if USE_U:
+        b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_dq += b_dd[:, None] * b_k * b_u[None, :]
+        b_dk += b_dd[:, None] * b_q * b_u[None, :]
+        tl.store(du + (i_tg * H + i_h) * K + o_k,
+                 tl.sum(b_dd[:, None] * b_q * b_k, axis=0), mask=m_k)
+    elif not EXCLUSIVE:
+        b_dq += b_dd[:, None] * b_k
+        b_dk += b_dd[:, None] * b_q
+    tl.store(dq + base + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + base + o_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
 
 def chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale: float, u=None, cu_seqlens=None,
                       chunk_indices=None, exclusive: bool = False):
@@ -253,10 +249,9 @@ def chunk_gk_bwd_dqkg(q, k, v, g, g_cum, h, do, dh, scale: float, u=None, cu_seq
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     du = (torch.empty(B * NT, H, K, dtype=torch.float32, device=k.device)
           if u is not None else None)
-    for one_ref_blocks in (True, False):
-        chunk_gk_bwd_dqkg_kernel[lambda meta: (cdiv(K, meta["BK"]), NT, B * H)](
-            q=q, k=k, v=v, g_cum=g_cum, u=u, h=h, do=do, dh=dh, dq=dq, dk=dk, dg=dg, du=du,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K,
-            V=V, EXCLUSIVE=exclusive, USE_U=u is not None, ONE_REF_BLOCKS=one_ref_blocks,
-            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=fp32_dot_precision(k.dtype))
+    chunk_gk_bwd_dqkg_kernel[lambda meta: (cdiv(K, meta["BK"]), NT, B * H)](
+        q=q, k=k, v=v, g_cum=g_cum, u=u, h=h, do=do, dh=dh, dq=dq, dk=dk, dg=dg, du=du,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V,
+        EXCLUSIVE=exclusive, USE_U=u is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=fp32_dot_precision(k.dtype))
     return dq, dk, dg, (du.sum(0) if du is not None else None)

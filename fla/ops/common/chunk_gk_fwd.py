@@ -164,32 +164,27 @@ def _gk_strip_rows(q_b, k_b, gc_b, u_h, qg_b, kg_b, o_i, m_i, i_k, L, HK, K: tl.
 
 
 @triton.jit
-def gk_strip_span_tile(gc_b, L, HK, S: tl.constexpr, o_k, m_k, EXCLUSIVE: tl.constexpr):
-    """The largest exponent the one-reference form of strip S would exponentiate in the
-    channels ``o_k``: the maximum of γq_f − γ_m and γ_m − γ_e (f, e the strip's first
-    and last valid rows, m its reference row), γ being non-increasing (log decays ≤ 0)."""
+def gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   EXCLUSIVE: tl.constexpr):
+    """The largest exponent the one-reference form of strip S would exponentiate: the
+    maximum over channels of γq_f − γ_m and γ_m − γ_e (f, e the strip's first and last
+    valid rows, m its reference row), γ being non-increasing (log decays ≤ 0)."""
     f = tl.minimum(16 * S, L - 1)
     m = tl.minimum(16 * S + 7, L - 1)
     e = tl.minimum(16 * S + 15, L - 1)
-    if EXCLUSIVE:
-        # γq_f = γ_{f−1}, 0 at the chunk's first row.
-        b_gf = tl.load(gc_b + tl.maximum(f - 1, 0) * HK + o_k, mask=m_k, other=0.)
-        b_gf = tl.where(f > 0, b_gf, 0.)
-    else:
-        b_gf = tl.load(gc_b + f * HK + o_k, mask=m_k, other=0.)
-    b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
-    b_ge = tl.load(gc_b + e * HK + o_k, mask=m_k, other=0.)
-    return tl.max(tl.maximum(b_gf - b_gm, b_gm - b_ge), axis=0)
-
-
-@triton.jit
-def gk_strip_span(gc_b, L, HK, S: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                  EXCLUSIVE: tl.constexpr):
-    """``gk_strip_span_tile`` over all K channels."""
     span = 0.
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        span = tl.maximum(span, gk_strip_span_tile(gc_b, L, HK, S, o_k, o_k < K, EXCLUSIVE))
+        m_k = o_k < K
+        if EXCLUSIVE:
+            # γq_f = γ_{f−1}, 0 at the chunk's first row.
+            b_gf = tl.load(gc_b + tl.maximum(f - 1, 0) * HK + o_k, mask=m_k, other=0.)
+            b_gf = tl.where(f > 0, b_gf, 0.)
+        else:
+            b_gf = tl.load(gc_b + f * HK + o_k, mask=m_k, other=0.)
+        b_gm = tl.load(gc_b + m * HK + o_k, mask=m_k, other=0.)
+        b_ge = tl.load(gc_b + e * HK + o_k, mask=m_k, other=0.)
+        span = tl.maximum(span, tl.max(tl.maximum(b_gf - b_gm, b_gm - b_ge), axis=0))
     return span
 
 
