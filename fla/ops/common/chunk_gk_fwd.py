@@ -25,9 +25,10 @@ identity (m a reference row)::
 One reference per strip (``_gk_fwd_A_strip_one_ref``, m = 16·S + 7): every key up to
 the strip's end meets the strip's queries in one [16, K] x [K, 16·S + 16] product. Its
 exponents are positive only for queries before m and keys after it, by at most the
-strip's span (γ over 7-8 steps: 40 at −5 a step); the kernel measures the span and
-takes this form where it is ≤ ``ONE_REFERENCE_MAX_SPAN`` (60) and the inputs are not
-fp16. Otherwise, the halving (``_gk_fwd_A_strip``), whose exponents are all ≤ 0: pairs
+strip's span (γ over 7-8 steps: 40 at −5 a step); the kernel measures the spans and
+takes this form for a chunk whose strips' spans are all ≤ ``ONE_REFERENCE_MAX_SPAN``
+(60), unless the inputs are fp16; a second launch forms the other chunks. Otherwise,
+the halving (``_gk_fwd_A_strip``), whose exponents are all ≤ 0: pairs
 in different strips meet through m = 16·S − 1 (one [16, K] x [K, 16·S] product), pairs
 inside a strip at level b ∈ {16, 8, 4, 2} through the middle row of their b-row block
 (a [16, K] x [K, 16] product a level). The diagonal j = i is Σ_k q k (GLA: exponent 0)
@@ -295,21 +296,26 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "ONE_REFERENCE"],
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "ONE_REFERENCE", "SELECT"],
        default=_A_default,
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
     q, k, g, u, g_cum, A, qg, kg, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-    GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, SELECT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
     zeros above the diagonal and past the chunk's end). With ``GATE_OPERANDS`` also the
     state pass's gated operands (out, q's dtype, ``[B, T, H, K]``): qg = q ⊙ e^{γq} and
-    kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row."""
+    kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row.
+
+    The strips' form: one reference (``ONE_REFERENCE``) or the halving. With ``SELECT``
+    a program forms only a chunk whose strips' spans all choose its form (≤
+    ONE_REFERENCE_MAX_SPAN for the one-reference form), and the halving form reads γ
+    (the one-reference launch, which runs first, wrote it for every chunk)."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -333,30 +339,35 @@ def chunk_gk_fwd_A_kernel(
     else:
         qg_b, kg_b = qg, kg
 
-    # γ = cumsum(g) in the chunk, written first: the strips read rows of it back.
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        o_tk = o_t[:, None] * HK + o_k[None, :]
-        b_g = tl.cumsum(tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32), axis=0)
-        tl.store(gc_b + o_tk, b_g, mask=m_tk)
-    tl.debug_barrier()
-
-    for s in tl.static_range(4):
+    if ONE_REFERENCE or not SELECT:
+        # γ = cumsum(g) in the chunk, written first: the strips read rows of it back.
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            o_tk = o_t[:, None] * HK + o_k[None, :]
+            b_g = tl.cumsum(tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32), axis=0)
+            tl.store(gc_b + o_tk, b_g, mask=m_tk)
+        tl.debug_barrier()
+    if SELECT:
+        span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
+                                     gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
+                          tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
+                                     gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
         if ONE_REFERENCE:
-            # The one-reference form where its exponents stay far inside the operands'
-            # range (16-bit inputs: bf16 holds e^±88 like fp32); the halving otherwise.
-            if gk_strip_span(gc_b, L, HK, s, K, BK, EXCLUSIVE) <= ONE_REFERENCE_MAX_SPAN:
+            run = span <= ONE_REFERENCE_MAX_SPAN
+        else:
+            run = span > ONE_REFERENCE_MAX_SPAN
+    else:
+        run = True
+    if run:
+        for s in tl.static_range(4):
+            if ONE_REFERENCE:
                 _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K,
                                         BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
                                         DOT_PRECISION)
             else:
                 _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
                                 H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
-        else:
-            _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                            H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
-
 
 def _h_default(args) -> Config:
     if args["GATED_OPERANDS"]:
@@ -552,12 +563,17 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
-    chunk_gk_fwd_A_kernel[(NT, B * H)](
-        q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
-        USE_U=u is not None, GATE_OPERANDS=gate_operands,
-        ONE_REFERENCE=k.dtype != torch.float16, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=dot_precision(k.dtype))
+    # fp16 inputs take the halving everywhere; other inputs two launches, each compiled
+    # with one strip form (H100, 1x8192x96x128 bf16: 0.83 ms against 1.06 for one kernel
+    # choosing the form per strip at run time, which held the registers of both).
+    forms = ((False, False),) if k.dtype == torch.float16 else ((True, True), (False, True))
+    for one_reference, select in forms:
+        chunk_gk_fwd_A_kernel[(NT, B * H)](
+            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
+            USE_U=u is not None, GATE_OPERANDS=gate_operands, ONE_REFERENCE=one_reference,
+            SELECT=select, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=dot_precision(k.dtype))
     return g_cum, A, qg, kg
 
 
