@@ -19,9 +19,13 @@ With dS' = dh[chunk] (``chunk_delta_h_bwd``) and dA = scale · dO Vᵀ (causal):
 (Σ_v dS' ⊙ S' = e^{γ_C} Σ_v dS' ⊙ S + Σ_j k_j ⊙ dk_inter_j.) The reverse chunk-local
 cumsum is done in registers: dq, dk and dg are written once, in their final dtypes.
 
-The intra-chunk sums run through the halving levels of ``chunk_gk_fwd`` (both factors
-of every exponent ≤ 0): per level q̃ = Q ⊙ e (second halves), k̃ = K ⊙ e (first halves),
-dq̃ = (dA ⊙ M) k̃, dk̃ = (dA ⊙ M)ᵀ q̃, and dq += dq̃ ⊙ e, dk += dk̃ ⊙ e.
+The intra-chunk sums run through levels (``chunk_gk_fwd``'s reference rows): per level
+q̃ = Q ⊙ e (query rows), k̃ = K ⊙ e (key rows), dq̃ = (dA ⊙ M) k̃, dk̃ = (dA ⊙ M)ᵀ q̃,
+and dq += dq̃ ⊙ e, dk += dk̃ ⊙ e. Pairs in different 16-row blocks meet in the two outer
+halving levels (b = 64, 32: queries in a block's second half, keys in its first, through
+its middle row; every exponent ≤ 0); pairs inside a block in one level through the
+block's row 16·b + 7 where the tile's exponents stay ≤ ONE_REFERENCE_MAX_SPAN, else in
+the four inner halving levels.
 """
 from __future__ import annotations
 
