@@ -9,7 +9,10 @@ For each case of :mod:`benchmarks.cases` (e.g. ``RMSNorm/16384x4096``) and mode 
   rest is launch latency / host work the GPU waits for),
 * the kernels of one step, longest first (torch.profiler, CUDA activity),
 * with ``--host``, the Python functions that take the host's time over 200 steps
-  (cProfile, by own time): what to cut when the kernels fill too little of the step.
+  (cProfile, by own time): what to cut when the kernels fill too little of the step;
+* with ``--tune``, each kernel's whole tuning space timed at the case's keys (``FLA_TUNE=1``
+  over a fresh cache: the medians above are then those of the fastest configs), and per
+  key every config's time against the default rule's.
 
 It measures whichever ``fla`` is importable (run it from the checkout for ours).
 """
@@ -97,13 +100,44 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="both")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--host", action="store_true", help="also profile the host (cProfile)")
+    p.add_argument("--tune", action="store_true",
+                   help="time every config of each kernel's space; print them per key")
     args = p.parse_args(argv)
+    if args.tune:
+        import os
+        import tempfile
+        os.environ["FLA_TUNE"] = "1"
+        os.environ["FLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fla-tune-")
     modes = ("fwd", "fwdbwd") if args.mode == "both" else (args.mode,)
     for case in registry.select(args.cases):
         for mode in modes:
             if mode in case.modes:
                 profile(case, mode, args.steps, args.host)
+    if args.tune:
+        _print_tuning()
     return 0
+
+
+def _print_tuning() -> None:
+    """Every tuned kernel's timings by key, fastest first, the default rule's config
+    marked."""
+    import sys
+
+    from fla.utils.tuning import TunedKernel
+    seen = set()
+    for module in list(sys.modules.values()):
+        if not (getattr(module, "__name__", "") or "").startswith("fla."):
+            continue
+        for tuned in vars(module).values():
+            if not isinstance(tuned, TunedKernel) or id(tuned) in seen or not tuned.timings:
+                continue
+            seen.add(id(tuned))
+            for key, (default, timings) in tuned.timings.items():
+                named = dict(zip(tuned.key, key))
+                print(f"\n{tuned.name.rsplit('.', 1)[-1]} {named}")
+                for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+                    mark = "  <- default" if config == default else ""
+                    print(f"  {ms:8.4f} ms  {config}{mark}")
 
 
 if __name__ == "__main__":

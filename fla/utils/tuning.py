@@ -187,6 +187,9 @@ class TunedKernel:
                         and not is_interpreter() and torch.version.hip is None
                         and hasattr(kernel, "params") else None)
         self.failures: dict[tuple, dict[Config, str]] = {}
+        # Each tuned key's default-rule config and do_bench medians (ms) by config, for
+        # reports (``python -m benchmarks.profile_case CASE --tune``).
+        self.timings: dict[tuple, tuple[Config, dict[Config, float]]] = {}
 
     # Replacing the default rule or the chosen configs (tests force configs so) must also
     # drop the direct launcher's remembered calls, which hold the configs chosen before.
@@ -407,6 +410,7 @@ class TunedKernel:
             raise RuntimeError(f"{self.name}: every config failed while tuning key "
                                f"{dict(zip(self.key, key))}:\n{details}")
         best = min(timings, key=timings.get)
+        self.timings[key] = (self.default(named), timings)
         self._verified.add((key, best))
         return best
 
