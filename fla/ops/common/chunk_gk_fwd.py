@@ -369,6 +369,7 @@ def chunk_gk_fwd_A_kernel(
                 _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
                                 H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
 
+
 def _h_default(args) -> Config:
     if args["GATED_OPERANDS"]:
         # No exponential and no fp32 γ tile in the loop: the state pass of simple GLA,
