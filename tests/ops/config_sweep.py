@@ -11,14 +11,18 @@ import torch
 from tests.helpers import rel_error
 
 
+def _by_name(tuned_kernel, args, kwargs) -> dict:
+    """A launch's arguments by name (positional ones in the kernel's parameter order)."""
+    return {**dict(zip(tuned_kernel.arg_names, args)), **kwargs}
+
+
 def record_launches(monkeypatch, tuned_kernel) -> list:
-    """Capture the (grid, kwargs) of the launcher's calls of ``tuned_kernel``."""
+    """Capture the (grid, arguments by name) of the launcher's calls of ``tuned_kernel``."""
     calls = []
     original = tuned_kernel.launch
 
     def launch(grid, args, kwargs):
-        assert not args, "launchers pass kernel arguments by name"
-        calls.append((grid, dict(kwargs)))
+        calls.append((grid, _by_name(tuned_kernel, args, kwargs)))
         return original(grid, args, kwargs)
 
     monkeypatch.setattr(tuned_kernel, "launch", launch)
@@ -28,7 +32,7 @@ def record_launches(monkeypatch, tuned_kernel) -> list:
 def force_config(monkeypatch, tuned_kernel, config) -> None:
     """Launch ``tuned_kernel`` with ``config`` exactly (no fallback to another config)."""
     def launch(grid, args, kwargs):
-        launch_args = {**kwargs, **config.launch_kwargs()}
+        launch_args = {**_by_name(tuned_kernel, args, kwargs), **config.launch_kwargs()}
         return tuned_kernel.kernel[grid(launch_args) if callable(grid) else grid](**launch_args)
 
     monkeypatch.setattr(tuned_kernel, "launch", launch)

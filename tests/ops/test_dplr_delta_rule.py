@@ -122,3 +122,38 @@ def test_gpu_bf16_varlen(op, seed):
     inputs = make_inputs(gen, B=1, T=sum(lengths), H=8, K=128, V=128, N=4)
     compare(inputs, torch.bfloat16, "cuda", fn=OPS[op], gen=gen, ref_device="cuda",
             cu_seqlens=cu_seqlens_of(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_tuning_config_of_the_chunk_kernels(D, monkeypatch):
+    """Each config the tuning layer may pick for a kernel of chunk_dplr_delta_rule (the
+    intra-chunk and local stages, both state passes) compiles on this Triton/GPU and gives
+    the float64 loop's outputs and gradients (bf16 inputs). Their defaults were once
+    chosen offline and never run; this runs every config they may take."""
+    from fla.ops.common import (chunk_dplr_bwd_dhu, chunk_dplr_bwd_intra,
+                                chunk_dplr_bwd_local, chunk_dplr_fwd_h,
+                                chunk_dplr_fwd_intra)
+    from tests.helpers import output_grad, randn
+    from tests.ops.config_sweep import launched_stages, sweep_configs
+    from tests.ops.dplr_cases import reference
+
+    gen = generator(0xd91)
+    inputs = make_inputs(gen, B=2, T=300, H=2, K=D, V=D)
+    do = output_grad(inputs["v"].shape, gen, torch.bfloat16)
+    dht = randn(inputs["initial_state"].shape, gen, torch.float64)
+    o_ref, ht_ref, g_ref = reference(inputs, torch.bfloat16, do, dht, "cuda")
+    order = sorted(inputs)
+    refs = [o_ref, ht_ref] + [g_ref[n] for n in order]
+
+    def call():
+        o, ht, grads = run(chunk_dplr_delta_rule, leaves(inputs, torch.bfloat16, "cuda"),
+                           do, dht)
+        return [o, ht] + [grads[n] for n in order]
+
+    modules = (chunk_dplr_fwd_intra, chunk_dplr_fwd_h, chunk_dplr_bwd_intra,
+               chunk_dplr_bwd_local, chunk_dplr_bwd_dhu)
+    launched = launched_stages(monkeypatch, modules, call, refs, 2e-2)
+    assert len(launched) == len(modules), [name for name, *_ in launched]
+    failures = sweep_configs(monkeypatch, launched, min_configs=2)
+    assert not failures, "\n".join(failures)
