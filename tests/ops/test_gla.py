@@ -105,19 +105,30 @@ def test_matches_float64_loop(mode, dtype, device, seed):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
-def test_chunk_steep_and_mild_heads(dtype, device, seed):
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_chunk_steep_and_mild_heads(exclusive, dtype, device, seed):
     """Head 0's gates within one-reference spans, head 1's 4x steeper (down to −20 a
-    step): the scores kernel takes the one-reference strips for one and the halving for
-    the other in the same call (fp32; fp16 inputs take the halving throughout); outputs,
+    step): the forward's strips and the backward's in-block pairs take the one-reference
+    form for some chunks and the halving for others in the same call (fp16 inputs: the
+    forward's halving throughout; RWKV6's exclusive query gate γ − w included); outputs,
     states and gradients against float64."""
-    gen = generator(seed)
-    inputs = make_inputs(gen, B=1, T=odd_length(gen, low=65, high=110), H=2, K=32, V=16)
-    inputs["g"][:, :, 1] *= 4
     from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
-    spans = strip_spans(inputs["g"][0], torch.tensor([0, inputs["g"].shape[1]]), False)
+    from fla.ops.rwkv6 import chunk_rwkv6
+    from tests.ops import test_rwkv6
+    gen = generator(seed)
+    T = odd_length(gen, low=65, high=110)
+    if exclusive:
+        inputs, gate = test_rwkv6.make_inputs(gen, B=1, T=T, H=2, K=32, V=16), "w"
+    else:
+        inputs, gate = make_inputs(gen, B=1, T=T, H=2, K=32, V=16), "g"
+    inputs[gate][:, :, 1] *= 4
+    spans = strip_spans(inputs[gate][0], torch.tensor([0, T]), exclusive)
     limit = float(ONE_REFERENCE_MAX_SPAN.value)
     assert (spans[:, 0] <= limit).all() and (spans[:, 1] > limit).any()
-    compare(inputs, dtype, device, fn=chunk_gla, gen=gen)
+    if exclusive:
+        test_rwkv6.compare(inputs, dtype, device, fn=chunk_rwkv6, gen=gen)
+    else:
+        compare(inputs, dtype, device, fn=chunk_gla, gen=gen)
 
 
 @pytest.mark.interpret

@@ -77,24 +77,6 @@ def test_matches_float64_loop(mode, dtype, device, seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
-def test_chunk_steep_and_mild_heads(dtype, device, seed):
-    """Head 0's decays within the one-reference spans, head 1's 4x steeper (down to −20 a
-    step): the forward's strips and the backward's in-block pairs take the one-reference
-    form for some chunks and the halving for others in the same call (the exclusive
-    scores' query gate γ − w included); outputs, states and gradients against float64."""
-    from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
-    from tests.ops.test_gla import strip_spans
-    gen = generator(seed)
-    inputs = make_inputs(gen, B=1, T=odd_length(gen, low=65, high=110), H=2, K=32, V=16)
-    inputs["w"][:, :, 1] *= 4
-    spans = strip_spans(inputs["w"][0], torch.tensor([0, inputs["w"].shape[1]]), True)
-    limit = float(ONE_REFERENCE_MAX_SPAN.value)
-    assert (spans[:, 0] <= limit).all() and (spans[:, 1] > limit).any()
-    compare(inputs, dtype, device, fn=chunk_rwkv6, gen=gen)
-
-
-@pytest.mark.interpret
 @pytest.mark.parametrize("mode", list(OPS))
 def test_varlen_uneven_sequences(mode, device, seed):
     gen = generator(seed)
