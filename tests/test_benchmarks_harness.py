@@ -525,3 +525,29 @@ def test_compare_main(tmp_path, capsys):
 def test_committed_results_file_has_markers():
     text = (REPO / "benchmarks" / "RESULTS.md").read_text()
     assert text.count(compare.START) == 1 and text.count(compare.END) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# profile_case --tune
+
+def test_tuning_report_lists_every_config_fastest_first_with_the_default_marked(capsys,
+                                                                            monkeypatch):
+    """``profile_case --tune`` prints, per tuned key, each config's time, fastest first,
+    the default rule's config marked (the timings here are placed by hand: tuning itself
+    runs on the GPU)."""
+    from benchmarks.profile_case import _print_tuning
+    from fla.ops.common import chunk_gk_bwd
+    from fla.utils.tuning import Config
+
+    kernel = chunk_gk_bwd.chunk_gk_bwd_dqkg_kernel
+    named = {"K": 128, "V": 128, "q": "bfloat16", "dg": "float32", "EXCLUSIVE": False,
+             "USE_U": False}
+    key = tuple(named[n] for n in kernel.key)
+    default = kernel.default(named)
+    other = Config(BK=64, BV=64, num_warps=8, num_stages=2)
+    monkeypatch.setattr(kernel, "timings", {key: (default, {default: 2.9, other: 2.5})})
+    _print_tuning()
+    lines = capsys.readouterr().out.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("chunk_gk_bwd_dqkg_kernel"))
+    assert "2.5000 ms" in lines[at + 1] and str(other) in lines[at + 1]
+    assert "2.9000 ms" in lines[at + 2] and lines[at + 2].endswith("<- default")
