@@ -301,7 +301,7 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
-    q, k, g, u, g_cum, A, qg, kg, cu_seqlens, chunk_indices, T,
+    q, k, g, u, g_cum, A, qg, kg, halving, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
     GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, SELECT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -314,10 +314,12 @@ def chunk_gk_fwd_A_kernel(
 
     The strips' form: one reference (``ONE_REFERENCE``) or the halving. With ``SELECT``
     a program forms only a chunk whose strips' spans all choose its form (≤
-    ONE_REFERENCE_MAX_SPAN for the one-reference form), and the halving form reads γ
-    (the one-reference launch, which runs first, wrote it for every chunk)."""
+    ONE_REFERENCE_MAX_SPAN for the one-reference form): the one-reference launch, which
+    runs first, writes γ for every chunk and ``halving`` ``[B·H, NT]`` int8 (1 where a
+    chunk is left to the halving), which the halving launch reads."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    p_halving = halving + i_bh * tl.num_programs(0) + i_t
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
@@ -349,14 +351,18 @@ def chunk_gk_fwd_A_kernel(
             tl.store(gc_b + o_tk, b_g, mask=m_tk)
         tl.debug_barrier()
     if SELECT:
-        span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
-                                     gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
-                          tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
-                                     gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
         if ONE_REFERENCE:
+            span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
+                                         gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
+                              tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
+                                         gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
             run = span <= ONE_REFERENCE_MAX_SPAN
+            tl.store(p_halving, (span > ONE_REFERENCE_MAX_SPAN).to(tl.int8))
         else:
-            run = span > ONE_REFERENCE_MAX_SPAN
+            # One byte read instead of the spans' 24 rows of γ: this launch's programs
+            # mostly find nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the
+            # spans again).
+            run = tl.load(p_halving) != 0
     else:
         run = True
     if run:
@@ -564,13 +570,15 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
     # fp16 inputs take the halving everywhere; other inputs two launches, each compiled
-    # with one strip form (H100, 1x8192x96x128 bf16: 0.86 + 0.17 ms, against 1.06 for
-    # one kernel choosing the form per strip at run time, which held the registers of
-    # both; the second launch mostly measures spans and finds nothing to do).
+    # with one strip form (H100, 1x8192x96x128 bf16: 0.86 ms for the one-reference
+    # launch, against 1.06 for one kernel choosing the form per strip at run time, which
+    # held the registers of both).
     forms = ((False, False),) if k.dtype == torch.float16 else ((True, True), (False, True))
+    halving = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
     for one_reference, select in forms:
         chunk_gk_fwd_A_kernel[(NT, B * H)](
-            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
+            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, halving=halving,
+            cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
             USE_U=u is not None, GATE_OPERANDS=gate_operands, ONE_REFERENCE=one_reference,
             SELECT=select, IS_VARLEN=cu_seqlens is not None,
