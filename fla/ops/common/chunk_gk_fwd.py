@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk
-from fla.ops.utils.tiles import tile_width
-from fla.utils.grid import cdiv
+from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
@@ -372,9 +372,14 @@ def chunk_gk_fwd_A_kernel(
 def _h_default(args) -> Config:
     if args["GATED_OPERANDS"]:
         # No exponential and no fp32 γ tile in the loop: the state pass of simple GLA,
-        # which runs two programs an SM at 4 warps.
-        return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32),
-                      num_warps=4, num_stages=2)
+        # which runs two programs an SM at 4 warps. Up to K = 128 on a thin grid
+        # (FEW_PROGRAMS from the launcher, fla.utils.grid.grid_fill), as the gated delta
+        # rule's pass: a third stage, and 32-column tiles where even those leave each SM
+        # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). Not timed here.
+        few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
+        width = 32 if few == 2 or args["K"] > 128 else 64
+        return Config(BV=tile_width(args["V"], width), num_warps=4,
+                      num_stages=3 if few else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
@@ -443,7 +448,8 @@ def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m
     return b_s, b_o
 
 
-@tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O"],
+@tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O",
+            "FEW_PROGRAMS"],
        default=_h_default,
        space=_h_space)
 @triton.jit(do_not_specialize=["T", "H"])
@@ -452,10 +458,11 @@ def chunk_gk_fwd_h_kernel(
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr, STORE_H: tl.constexpr,
     STORE_O: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(V, BV), H, N)``: one program walks one sequence's chunks for one V
-    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64)."""
+    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64).
+    ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only."""
     BT: tl.constexpr = 64
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:
@@ -607,7 +614,7 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
         BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
         STORE_H=store_h, STORE_O=store_o, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=dot_precision(k.dtype))
+        DOT_PRECISION=dot_precision(k.dtype), FEW_PROGRAMS=sequential_grid_fill(N, H, V))
     return o, h, ht
 
 
