@@ -47,7 +47,7 @@ import fla.ops.utils.tiles as tiles  # noqa: E402
 from fla.utils.tuning import Config, TunedKernel  # noqa: E402
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-               torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+               torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 
 def signature_of(fn, named: dict) -> tuple[dict, dict, dict]:

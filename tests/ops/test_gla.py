@@ -160,6 +160,36 @@ def test_backward_with_and_without_the_gated_operands(exclusive, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_backward_level_paths(exclusive, device, seed):
+    """dq/dk/dg's three level paths in one call (one level over the chunk, the halving
+    then one level a 16-row block, the six halving levels: heads with mild, medium and
+    steep gates over packed sequences), fp32, against float64."""
+    from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
+    from fla.ops.rwkv6 import chunk_rwkv6
+    from tests.ops import test_rwkv6
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=70, high=140)
+    cu = cu_seqlens_of(lengths)
+    if exclusive:
+        x = test_rwkv6.make_inputs(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=2)
+        gate = "w"
+    else:
+        x = make_inputs(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=2)
+        gate = "g"
+    x[gate][:, :, 0] *= 0.25
+    x[gate][:, :, 2] *= 4
+    counts = backward_level_counts(x[gate][0], cu, exclusive,
+                                   float(ONE_REFERENCE_MAX_SPAN.value))
+    assert {1, 3, 6} <= set(counts.flatten().tolist()), counts
+    if exclusive:
+        test_rwkv6.compare(x, torch.float32, device, fn=chunk_rwkv6, gen=gen,
+                           cu_seqlens=cu.to(device))
+    else:
+        compare(x, torch.float32, device, fn=chunk_gla, gen=gen, cu_seqlens=cu.to(device))
+
+
+@pytest.mark.interpret
 def test_chunk_wide_heads_fp16(device, seed):
     """K = 96 (two K tiles of the backward, three 32-wide state tiles), V = 48."""
     gen = generator(seed)
@@ -300,6 +330,28 @@ def strip_spans(g, cu, exclusive, chunk=64):
                 m, e = min(f + 7, L - 1), min(f + 15, L - 1)
                 spans.append(torch.maximum(gq[f] - gam[m], gam[m] - gam[e]).amax(-1))
     return torch.stack(spans)
+
+
+def backward_level_counts(g, cu, exclusive, limit, chunk=64):
+    """How many levels dq/dk/dg run for each chunk and head of g [T, H, K] (one K tile):
+    1 where a one-reference level over the chunk (middle row 31) keeps every exponent
+    ≤ limit, 3 where one over each 16-row block does, else 6."""
+    counts = []
+    bounds = cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            L = min(c + chunk, eos) - c
+            gam = g[c:c + L].cumsum(0)
+            gq = gam - g[c:c + L] if exclusive else gam
+            rows = torch.arange(L)
+
+            def span(b):
+                gm = gam[torch.clamp((rows // b) * b + b // 2 - 1, max=L - 1)]
+                return torch.maximum(gm - gam, gq - gm).amax(dim=(0, 2))
+
+            counts.append(torch.where(span(64) <= limit, 1,
+                                      torch.where(span(16) <= limit, 3, 6)))
+    return torch.stack(counts)
 
 
 def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):

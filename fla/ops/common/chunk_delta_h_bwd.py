@@ -54,7 +54,14 @@ def _dhu_default(args) -> Config:
     # programs leave each SM one (FEW_PROGRAMS = 2), BV = 32: 2x16384x16x128 0.53 ms
     # against 0.79 (with W) and 0.53 against 0.67 (without, 8 warps; 0.61 at 4).
     # Above K = 128 and for fp32 operands, the fewest stages its space holds.
+    # The vector gate on the forward's gated operands (no γ tile staged) on a thin grid:
+    # as without the gate, 32-column tiles where even those leave each SM one program,
+    # and a third stage (not timed here; one stage elsewhere, as measured above).
     few = args.get("FEW_PROGRAMS", 0)
+    if (args.get("USE_GK") and args.get("GATED_OPERANDS") and few and args["K"] <= 128
+            and sixteen_bit(args)):
+        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
+                      num_stages=3)
     if args.get("USE_GK") or args["K"] > 128 or not sixteen_bit(args):
         return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
                       num_stages=min(_dhu_stages(args)))
@@ -70,7 +77,11 @@ def _dhu_stages(args) -> tuple[int, ...]:
     # (GLA, RWKV6) also stages the fp32 γ tiles: three stages overflow at K = 128 (239-271
     # KB) and two at K = 256 (247-271 KB), at every BV and warp count of the space; K = 64
     # drops three stages too (it fits, but was not faster where measured).
+    # The forward's gated operands stage no γ tile: three stages fit at K = 128 (offline
+    # sm_90: 128 KB at BV = 32, 152 KB at 64).
     if args.get("USE_GK"):
+        if args.get("GATED_OPERANDS"):
+            return (1, 2, 3) if args["K"] <= 128 else (1,)
         return (1, 2) if args["K"] <= 128 else (1,)
     return (2, 3) if args["K"] <= 128 else (2,)
 

@@ -21,11 +21,10 @@ cumsum is done in registers: dq, dk and dg are written once, in their final dtyp
 
 The intra-chunk sums run through levels (``chunk_gk_fwd``'s reference rows): per level
 q̃ = Q ⊙ e (query rows), k̃ = K ⊙ e (key rows), dq̃ = (dA ⊙ M) k̃, dk̃ = (dA ⊙ M)ᵀ q̃,
-and dq += dq̃ ⊙ e, dk += dk̃ ⊙ e. Pairs in different 16-row blocks meet in the two outer
-halving levels (b = 64, 32: queries in a block's second half, keys in its first, through
-its middle row; every exponent ≤ 0); pairs inside a block in one level through the
-block's row 16·b + 7 where the tile's exponents stay ≤ ONE_REFERENCE_MAX_SPAN, else in
-the four inner halving levels.
+and dq += dq̃ ⊙ e, dk += dk̃ ⊙ e: one level through row 31 for the whole chunk where
+its exponents stay ≤ ONE_REFERENCE_MAX_SPAN; else the halving at 64 and 32 rows
+(exponents ≤ 0) and one level through row 16·b + 7 of each 16-row block; else the six
+halving levels.
 """
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_gk_fwd import (ONE_REFERENCE_MAX_SPAN, gk_level_factor,
-                                         gk_level_mask)
+from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
@@ -68,21 +66,14 @@ def _space(args) -> list[Config]:
 
 
 @triton.jit
-def _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK,
-                   b: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Level ``b`` of the halving: the pairs (i, j) in one b-row block, i in its second
-    half and j in its first, met through the block's middle row (exponents ≤ 0). The
-    operands in fp32 (see the kernel)."""
-    dt = tl.float32
-    second, b_e = gk_level_factor(b_g, b_gq, gc_b, o_t, o_k, m_k, L, HK, b)
-    b_qe = tl.where(second[:, None], b_q.to(tl.float32) * b_e, 0.).to(dt)
-    b_ke = tl.where(second[:, None], 0., b_k.to(tl.float32) * b_e).to(dt)
-    b_dAl = tl.where(gk_level_mask(o_t, b), b_dA, 0.).to(dt)
-    b_dq += tl.where(second[:, None],
-                     tl.dot(b_dAl, b_ke, input_precision=DOT_PRECISION) * b_e, 0.)
-    b_dk += tl.where(second[:, None], 0.,
-                     tl.dot(tl.trans(b_dAl), b_qe, input_precision=DOT_PRECISION) * b_e)
-    return b_dq, b_dk
+def _one_reference_span(b_g, b_gq, gc_b, o_t, o_k, m_tk, L, HK, b: tl.constexpr):
+    """The largest exponent a one-reference level over b-row blocks would form in this
+    tile: max of γq_i − γ_m and γ_m − γ_i over the valid rows, m the middle row of i's
+    block (clamped to the chunk's last)."""
+    o_m = tl.minimum((o_t // b) * b + (b // 2 - 1), L - 1)
+    b_gm = tl.load(gc_b + o_m[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
+    return tl.max(tl.max(tl.where(m_tk, tl.maximum(b_gm - b_g, b_gq - b_gm), 0.), axis=1),
+                  axis=0)
 
 
 @tuned(key=["K", "V", "q", "dg", "EXCLUSIVE", "USE_U"], default=_default, space=_space)
@@ -164,31 +155,28 @@ def chunk_gk_bwd_dqkg_kernel(
     b_dk = tl.where(m_tk, b_dks * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_kdk = tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
 
-    # Pairs in different 16-row blocks: the two outer halving levels (every exponent
-    # ≤ 0).
-    for lvl in tl.static_range(2):
-        b_dq, b_dk = _halving_level(b_dA, b_dq, b_dk, b_q, b_k, b_g, b_gq, gc_b, o_t, o_k,
-                                    m_k, L, HK, 64 >> lvl, DOT_PRECISION)
-    # Pairs inside a 16-row block, by a loop of one or four levels (its trip count read
-    # from the data, so that one compiled body serves both: a run-time choice between
-    # two bodies, or a second launch for the other, cost 0.4-0.6 ms at 1x8192x96x128 on
-    # H100). One level where the tile's exponents allow: every pair of a block through
-    # its row r = 16·b + 7, dq_i += e^{γq_i − γ_r} Σ_j dA_ij k_j e^{γ_r − γ_j} and
-    # dk_j += e^{γ_r − γ_j} Σ_i dA_ij q_i e^{γq_i − γ_r}, exponents positive for queries
-    # before r and keys after it by at most the block's span (chunk_gk_fwd's
-    # one-reference strips). Otherwise the four inner halving levels (b = 16, 8, 4, 2:
-    # queries in a block's second half, keys in its first, through its middle row).
-    o_r = tl.minimum((o_t // 16) * 16 + 7, L - 1)
-    b_gr = tl.load(gc_b + o_r[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)
-    span = tl.max(tl.max(tl.where(m_tk, tl.maximum(b_gr - b_g, b_gq - b_gr), 0.), axis=1),
-                  axis=0)
-    one_ref = span <= ONE_REFERENCE_MAX_SPAN
-    for lvl in range(tl.where(one_ref, 1, 4)):
-        b = 16 >> lvl
+    # The pairs inside the chunk by levels of a loop whose trip count is read from the
+    # tile (one compiled body for every case: a run-time choice between bodies, or a
+    # second launch for the other, cost 0.4-0.6 ms at 1x8192x96x128 on H100). Level b
+    # meets pairs of one b-row block through its middle row m = b·⌊i/b⌋ + b/2 − 1. The
+    # halving (exponents ≤ 0): queries in the block's second half, keys in its first.
+    # One reference (the last level where its exponents allow): every pair of the block
+    # through m, dq_i += e^{γq_i − γ_m} Σ_j dA_ij k_j e^{γ_m − γ_j} and dk_j +=
+    # e^{γ_m − γ_j} Σ_i dA_ij q_i e^{γq_i − γ_m}, exponents positive for queries before
+    # m and keys after it, by at most the block's span (≤ ONE_REFERENCE_MAX_SPAN).
+    # So: one level over the whole chunk (b = 64) where its span allows; else the
+    # halving at b = 64 and 32, then one level over each 16-row block; else the six
+    # halving levels.
+    span_64 = _one_reference_span(b_g, b_gq, gc_b, o_t, o_k, m_tk, L, HK, 64)
+    span_16 = _one_reference_span(b_g, b_gq, gc_b, o_t, o_k, m_tk, L, HK, 16)
+    n_levels = tl.where(span_64 <= ONE_REFERENCE_MAX_SPAN, 1,
+                        tl.where(span_16 <= ONE_REFERENCE_MAX_SPAN, 3, 6))
+    for lvl in range(n_levels):
+        b = 64 >> lvl
         half = b // 2
         o_m = tl.minimum((o_t // b) * b + (half - 1), L - 1)
-        # Every row both a query and a key at the one-reference level.
-        force = tl.where(one_ref, half, 0)
+        # Every row both a query and a key at a one-reference level.
+        force = tl.where((lvl == n_levels - 1) & (n_levels < 6), half, 0)
         is_q = ((o_t | force) & half) != 0
         is_k = ((o_t & ~force) & half) == 0
         b_gm = tl.load(gc_b + o_m[:, None] * HK + o_k[None, :], mask=m_tk, other=0.)

@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk
-from fla.ops.utils.tiles import tile_width
-from fla.utils.grid import cdiv
+from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
@@ -301,7 +301,7 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
-    q, k, g, u, g_cum, A, qg, kg, cu_seqlens, chunk_indices, T,
+    q, k, g, u, g_cum, A, qg, kg, halving, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
     GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, SELECT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -314,10 +314,12 @@ def chunk_gk_fwd_A_kernel(
 
     The strips' form: one reference (``ONE_REFERENCE``) or the halving. With ``SELECT``
     a program forms only a chunk whose strips' spans all choose its form (≤
-    ONE_REFERENCE_MAX_SPAN for the one-reference form), and the halving form reads γ
-    (the one-reference launch, which runs first, wrote it for every chunk)."""
+    ONE_REFERENCE_MAX_SPAN for the one-reference form): the one-reference launch, which
+    runs first, writes γ for every chunk and ``halving`` ``[B·H, NT]`` int8 (1 where a
+    chunk is left to the halving), which the halving launch reads."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    p_halving = halving + i_bh * tl.num_programs(0) + i_t
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
@@ -349,14 +351,18 @@ def chunk_gk_fwd_A_kernel(
             tl.store(gc_b + o_tk, b_g, mask=m_tk)
         tl.debug_barrier()
     if SELECT:
-        span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
-                                     gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
-                          tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
-                                     gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
         if ONE_REFERENCE:
+            span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
+                                         gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
+                              tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
+                                         gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
             run = span <= ONE_REFERENCE_MAX_SPAN
+            tl.store(p_halving, (span > ONE_REFERENCE_MAX_SPAN).to(tl.int8))
         else:
-            run = span > ONE_REFERENCE_MAX_SPAN
+            # One byte read instead of the spans' 24 rows of γ: this launch's programs
+            # mostly find nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the
+            # spans again).
+            run = tl.load(p_halving) != 0
     else:
         run = True
     if run:
@@ -373,9 +379,14 @@ def chunk_gk_fwd_A_kernel(
 def _h_default(args) -> Config:
     if args["GATED_OPERANDS"]:
         # No exponential and no fp32 γ tile in the loop: the state pass of simple GLA,
-        # which runs two programs an SM at 4 warps.
-        return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32),
-                      num_warps=4, num_stages=2)
+        # which runs two programs an SM at 4 warps. Up to K = 128 on a thin grid
+        # (FEW_PROGRAMS from the launcher, fla.utils.grid.grid_fill), as the gated delta
+        # rule's pass: a third stage, and 32-column tiles where even those leave each SM
+        # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). Not timed here.
+        few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
+        width = 32 if few == 2 or args["K"] > 128 else 64
+        return Config(BV=tile_width(args["V"], width), num_warps=4,
+                      num_stages=3 if few else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
@@ -444,7 +455,8 @@ def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m
     return b_s, b_o
 
 
-@tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O"],
+@tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O",
+            "FEW_PROGRAMS"],
        default=_h_default,
        space=_h_space)
 @triton.jit(do_not_specialize=["T", "H"])
@@ -453,10 +465,11 @@ def chunk_gk_fwd_h_kernel(
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr, STORE_H: tl.constexpr,
     STORE_O: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(V, BV), H, N)``: one program walks one sequence's chunks for one V
-    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64)."""
+    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64).
+    ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only."""
     BT: tl.constexpr = 64
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:
@@ -565,13 +578,15 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
     # fp16 inputs take the halving everywhere; other inputs two launches, each compiled
-    # with one strip form (H100, 1x8192x96x128 bf16: 0.86 + 0.17 ms, against 1.06 for
-    # one kernel choosing the form per strip at run time, which held the registers of
-    # both; the second launch mostly measures spans and finds nothing to do).
+    # with one strip form (H100, 1x8192x96x128 bf16: 0.86 ms for the one-reference
+    # launch, against 1.06 for one kernel choosing the form per strip at run time, which
+    # held the registers of both).
     forms = ((False, False),) if k.dtype == torch.float16 else ((True, True), (False, True))
+    halving = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
     for one_reference, select in forms:
         chunk_gk_fwd_A_kernel[(NT, B * H)](
-            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, cu_seqlens=cu_seqlens,
+            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, halving=halving,
+            cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
             USE_U=u is not None, GATE_OPERANDS=gate_operands, ONE_REFERENCE=one_reference,
             SELECT=select, IS_VARLEN=cu_seqlens is not None,
@@ -608,7 +623,7 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
         BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
         STORE_H=store_h, STORE_O=store_o, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=dot_precision(k.dtype))
+        DOT_PRECISION=dot_precision(k.dtype), FEW_PROGRAMS=sequential_grid_fill(N, H, V))
     return o, h, ht
 
 
