@@ -49,9 +49,11 @@ def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
 
 def state_pass_default(args) -> Config:
     # BV = 32 (the narrowest dot tile we use, fla.utils.triton_facts.MIN_DOT_TILE): twice
-    # the programs of 64 for this latency-bound loop; 8 warps keep the fp32 64×64 tiles
-    # (A_*, Ai) at 16 registers a thread.
-    return Config(BV=32, num_warps=8, num_stages=1)
+    # the programs of 64 for this latency-bound loop. 4 warps: two programs an SM (at 8
+    # warps, 255 registers, one: RWKV7 4x4096x32x64's 256 programs then take two waves
+    # on 132 SMs instead of one; offline sm_90 K = 64: 192 B of stack against 152). Not
+    # timed yet.
+    return Config(BV=32, num_warps=4, num_stages=1)
 
 
 def state_pass_space(args) -> list[Config]:
