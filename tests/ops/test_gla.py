@@ -332,6 +332,23 @@ def strip_spans(g, cu, exclusive, chunk=64):
     return torch.stack(spans)
 
 
+def score_forms(g, cu, exclusive, limit, chunk=64):
+    """The form chunk_gk_fwd_A takes for each chunk and head of g [T, H, K] (bf16 or
+    fp32 inputs): 0 where one reference row (31) for the whole chunk keeps every exponent
+    ≤ limit, else 1 where each 16-row strip's own reference does, else 2 (the halving);
+    a tensor [chunks, H]."""
+    chunk_level = backward_level_counts(g, cu, exclusive, limit, chunk) == 1
+    strips = strip_spans(g, cu, exclusive, chunk)
+    per_chunk, bounds, i = [], cu.tolist(), 0
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            n = -(-(min(c + chunk, eos) - c) // 16)
+            per_chunk.append((strips[i:i + n] <= limit).all(0))
+            i += n
+    strip_level = torch.stack(per_chunk)
+    return torch.where(chunk_level, 0, torch.where(strip_level, 1, 2))
+
+
 def backward_level_counts(g, cu, exclusive, limit, chunk=64):
     """How many levels dq/dk/dg run for each chunk and head of g [T, H, K] (one K tile):
     1 where a one-reference level over the chunk (middle row 31) keeps every exponent
@@ -376,22 +393,24 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     """chunk_gk_fwd_A alone (GLA; RWKV6's exclusive scores with the bonus u) against
     float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
     of the K tile); entries above the diagonal and past the chunk's end exactly zero;
-    the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too. Gates down to
-    −5 a step keep every strip's span within ONE_REFERENCE_MAX_SPAN (the one-reference
-    form); ``steep`` makes head 1's gates 4x steeper, so that strips on both sides of it
-    meet (the halving for the steep ones)."""
+    the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too. Head 0's mild
+    gates keep its chunks' spans through row 31 within ONE_REFERENCE_MAX_SPAN (the
+    chunk form); head 1's, down to −5 a step, keep only every strip's span within it
+    (the strips' form); ``steep`` makes head 2's 4x steeper still, so that strips on
+    both sides of the limit meet (the halving for the steep ones)."""
     from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN, chunk_gk_fwd_A
     from fla.ops.utils.index import prepare_chunk_indices
     gen = generator(seed)
     lengths = uneven_lengths(3, gen, low=20, high=150)
-    T, H, K = sum(lengths), 2, 80
+    T, H, K = sum(lengths), 3, 80
     x = make_inputs(gen, B=1, T=T, H=H, K=K, V=16, h0=False)
     exclusive = variant == "rwkv6"
+    x["g"][..., 0, :] *= 0.25
     if steep:
-        x["g"][..., 1, :] *= 4
-    spans = strip_spans(x["g"][0], cu_seqlens_of(lengths), exclusive)
+        x["g"][..., 2, :] *= 4
     limit = float(ONE_REFERENCE_MAX_SPAN.value)
-    assert (spans <= limit).any() and ((spans > limit).any() == steep)
+    forms = score_forms(x["g"][0], cu_seqlens_of(lengths), exclusive, limit)
+    assert {0, 1} <= set(forms.flatten().tolist()) and (2 in forms) == steep, forms
     u = randn((H, K), gen, torch.float64) if exclusive else None
     cu = cu_seqlens_of(lengths)
     q, k, g = (x[n][0].to(torch.float32) for n in ("q", "k", "g"))
@@ -409,6 +428,42 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     assert A.dtype == torch.float32 and A.shape == (T, H, 64)
     assert (A.transpose(1, 2)[~allowed] == 0).all()
     assert_rel_close("A", A, A_ref, 1e-4)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("variant", ["gla", "rwkv6"])
+def test_forward_without_gradients_matches_forward_with(variant, device, seed):
+    """A forward that feeds no backward writes γ only where the state pass reads it
+    (each chunk's last row) and in full only for the chunks it leaves to the strips or
+    the halving: its output and final state equal those of a forward with gradients
+    (fp32, packed sequences of lengths 1 and 3 among uneven others, heads whose chunks
+    take each of the three forms)."""
+    from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN
+    from fla.ops.rwkv6 import chunk_rwkv6
+    from tests.ops import test_rwkv6
+    gen = generator(seed)
+    lengths = [1, 3] + uneven_lengths(3, gen, low=40, high=160)
+    cu = cu_seqlens_of(lengths)
+    if variant == "rwkv6":
+        x = test_rwkv6.make_inputs(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=5)
+        fn, gate = chunk_rwkv6, "w"
+    else:
+        x = make_inputs(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=5)
+        fn, gate = chunk_gla, "g"
+    x[gate][..., 0, :] *= 0.25
+    x[gate][..., 2, :] *= 4
+    forms = score_forms(x[gate][0], cu, variant == "rwkv6",
+                        float(ONE_REFERENCE_MAX_SPAN.value))
+    assert set(forms.flatten().tolist()) == {0, 1, 2}, forms
+    args = {n: t.float().to(device) for n, t in x.items()}
+    with torch.no_grad():
+        o_plain, ht_plain = fn(**args, output_final_state=True, cu_seqlens=cu.to(device))
+    leaves = {n: t.requires_grad_() for n, t in args.items()}
+    o_grad, ht_grad = fn(**leaves, output_final_state=True, cu_seqlens=cu.to(device))
+    # Equal up to rounding: γ's last row is a column sum of g here, a cumsum's last
+    # row there (fp32: ~1e-6 relative).
+    assert_rel_close("o", o_plain, o_grad.detach(), 1e-5)
+    assert_rel_close("final_state", ht_plain, ht_grad.detach(), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])

@@ -17,24 +17,31 @@ exponential (``GATED_OPERANDS``; the backward's recomputation of the per-chunk s
 ``STORE_H``, gates k itself). No [T, K, V]-sized tensor is written on the way to O.
 
 Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
-is built from 16-row strips, as tensor-core dots over factor-scaled q and k, with the
-identity (m a reference row)::
+is built as tensor-core dots over factor-scaled q and k, with the identity (m a
+reference row)::
 
     q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − γ_mk)] · [k_jk exp(γ_mk − γ_jk)]
 
-One reference per strip (``_gk_fwd_A_strip_one_ref``, m = 16·S + 7): every key up to
-the strip's end meets the strip's queries in one [16, K] x [K, 16·S + 16] product. Its
-exponents are positive only for queries before m and keys after it, by at most the
-strip's span (γ over 7-8 steps: 40 at −5 a step); the kernel measures the spans and
-takes this form for a chunk whose strips' spans are all ≤ ``ONE_REFERENCE_MAX_SPAN``
-(60), unless the inputs are fp16; a second launch forms the other chunks. Otherwise,
-the halving (``_gk_fwd_A_strip``), whose exponents are all ≤ 0: pairs
-in different strips meet through m = 16·S − 1 (one [16, K] x [K, 16·S] product), pairs
-inside a strip at level b ∈ {16, 8, 4, 2} through the middle row of their b-row block
-(a [16, K] x [K, 16] product a level). The diagonal j = i is Σ_k q k (GLA: exponent 0)
-or RWKV6's bonus. In both forms a factor that underflows belongs to a product below
-e^(span − 87); a reference row past the chunk's end is clamped to its last row, and
-masked elements are zeroed before the exp.
+in the cheapest of three forms whose exponents stay ≤ ``ONE_REFERENCE_MAX_SPAN`` (60):
+
+- the chunk form (``_gk_fwd_A_chunk_form``, m = 31): the whole chunk in one
+  [64, K] x [K, 64] product; its exponents are positive only for queries before m and
+  keys after it, by at most the chunk's span through m (γ over ~32 steps: mild gates);
+- one reference per 16-row strip (``_gk_fwd_A_strip_one_ref``, m = 16·S + 7): every key
+  up to the strip's end meets the strip's queries in one [16, K] x [K, 16·S + 16]
+  product, exponents bounded by the strip's span (γ over 7-8 steps: 40 at −5 a step);
+- the halving (``_gk_fwd_A_strip``), whose exponents are all ≤ 0: pairs in different
+  strips meet through m = 16·S − 1 (one [16, K] x [K, 16·S] product), pairs inside a
+  strip at level b ∈ {16, 8, 4, 2} through the middle row of their b-row block (a
+  [16, K] x [K, 16] product a level); always for fp16 inputs, whose range cannot hold
+  e^60.
+
+The first launch forms γ and every chunk it can in the chunk form and marks the rest
+with the form they need; a launch per remaining form follows, each compiled with its
+form only. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
+form a factor that underflows belongs to a product below e^(span − 87); a reference row
+past the chunk's end is clamped to its last row, and masked elements are zeroed before
+the exp.
 """
 from __future__ import annotations
 
@@ -56,6 +63,9 @@ CHUNK_SIZE = 64
 # times q or k stays inside bf16's and fp32's range (3.4e38) for |q|, |k| up to ~3e12.
 # fp16 (65504) cannot hold such factors: fp16 inputs always take the halving.
 ONE_REFERENCE_MAX_SPAN = tl.constexpr(60.)
+# The forms of a chunk's scores, cheapest first (the scores kernel's FORM): one reference
+# row for the whole chunk, one for each 16-row strip, the halving.
+CHUNK_FORM, STRIP_FORM, HALVING_FORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -90,7 +100,13 @@ def _A_default(args) -> Config:
     # slower: the strips' [16, BK] tiles spread thin over 256 threads). One stage for
     # the one-reference strips (1.055 / 0.420 ms against 1.062 / 0.485 at two); the
     # halving (fp16 inputs) writing the gated operands, two (1.47 against 1.76 ms).
-    two = args["GATE_OPERANDS"] and not args["ONE_REFERENCE"]
+    # The chunk form (not timed yet): offline sm_90, Triton 3.6, K = 128, its three
+    # [32, 32] accumulators and both halves' q, k, g, γ tiles take 255 registers at
+    # BK = 64; at BK = 32, 186 on 4 warps with two stages (two programs an SM, the next
+    # K tile's loads in flight) or 144 on 8 (one program an SM).
+    if args["FORM"] == CHUNK_FORM.value:
+        return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=2)
+    two = args["GATE_OPERANDS"] and args["FORM"] == HALVING_FORM.value
     return Config(BK=tile_width(args["K"], 64), num_warps=4, num_stages=2 if two else 1)
 
 
@@ -114,12 +130,11 @@ def _gk_cross_keys(k_b, gc_b, b_gm, o_k, m_k, m, J0: tl.constexpr, NJ: tl.conste
 
 
 @triton.jit
-def _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k, m_k,
-                             L, HK):
-    """The state pass's operands for the rows ``o_ik`` of one K tile (q, k fp32; γ, γq):
-    q ⊙ e^{γq} and k ⊙ e^{γ_C − γ}, γ_C the chunk's last valid row (exponents ≤ 0)."""
+def _gk_store_gated_operands(b_q, b_k, b_g, b_gq, b_gl, qg_b, kg_b, o_ik, m_ik):
+    """The state pass's operands for the rows ``o_ik`` of one K tile (q, k fp32; γ, γq;
+    ``b_gl`` [BK] γ_C, the chunk's last valid row): q ⊙ e^{γq} and k ⊙ e^{γ_C − γ}
+    (exponents ≤ 0)."""
     dt = qg_b.dtype.element_ty
-    b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
     tl.store(qg_b + o_ik, (b_q * tl.exp(b_gq)).to(dt), mask=m_ik)
     b_kg = b_k * tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0.))
     tl.store(kg_b + o_ik, b_kg.to(dt), mask=m_ik)
@@ -158,8 +173,8 @@ def _gk_strip_rows(q_b, k_b, gc_b, u_h, qg_b, kg_b, o_i, m_i, i_k, L, HK, K: tl.
     else:
         b_gq = b_g
     if GATE_OPERANDS:
-        _gk_store_gated_operands(b_q, b_k, b_g, b_gq, gc_b, qg_b, kg_b, o_ik, m_ik, o_k, m_k,
-                                 L, HK)
+        b_gl = tl.load(gc_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
+        _gk_store_gated_operands(b_q, b_k, b_g, b_gq, b_gl, qg_b, kg_b, o_ik, m_ik)
     return (o_k, m_k, o_ik, m_ik, b_q, b_k, b_g, b_gq,
             _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U))
 
@@ -235,6 +250,122 @@ def _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.c
 
 
 @triton.jit
+def _gk_store_gamma(g_b, gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr):
+    """γ = cumsum(g) over the chunk's rows, stored (fp32), for the strips to read back
+    rows of it."""
+    o_t = tl.arange(0, 64)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = (o_t < L)[:, None] & (o_k < K)[None, :]
+        o_tk = o_t[:, None] * HK + o_k[None, :]
+        b_g = tl.cumsum(tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32), axis=0)
+        tl.store(gc_b + o_tk, b_g, mask=m_tk)
+
+
+@triton.jit
+def _gk_half_factors(q_b, k_b, qg_b, kg_b, u_h, o_r, m_r, o_k, m_k, b_g, b_gq, b_gm, b_gl,
+                     HK, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
+                     GATE_OPERANDS: tl.constexpr):
+    """One 32-row half ``o_r`` of the chunk in one K tile for the chunk form, given its γ
+    and γq [32, BK] and the rows m (``b_gm``) and C (``b_gl``, the chunk's last valid
+    row) of γ [BK]: ``(q e^{γq − γ_m}, k e^{γ_m − γ}, largest exponent, diagonal share)``,
+    the factors in k's dtype with their exponents capped at ONE_REFERENCE_MAX_SPAN (a
+    chunk whose span passes it has its products dropped: no inf is formed on the way);
+    stores the half's gated operands on the way (``GATE_OPERANDS``)."""
+    dt = k_b.dtype.element_ty
+    m_rk = m_r[:, None] & m_k[None, :]
+    o_rk = o_r[:, None] * HK + o_k[None, :]
+    b_q = tl.load(q_b + o_rk, mask=m_rk, other=0.).to(tl.float32)
+    b_k = tl.load(k_b + o_rk, mask=m_rk, other=0.).to(tl.float32)
+    if GATE_OPERANDS:
+        _gk_store_gated_operands(b_q, b_k, b_g, b_gq, b_gl, qg_b, kg_b, o_rk, m_rk)
+    b_eq = tl.where(m_rk, b_gq - b_gm[None, :], 0.)
+    b_ek = tl.where(m_rk, b_gm[None, :] - b_g, 0.)
+    span = tl.max(tl.max(tl.maximum(b_eq, b_ek), axis=1), axis=0)
+    b_qx = (b_q * tl.exp(tl.minimum(b_eq, ONE_REFERENCE_MAX_SPAN))).to(dt)
+    b_kx = (b_k * tl.exp(tl.minimum(b_ek, ONE_REFERENCE_MAX_SPAN))).to(dt)
+    return b_qx, b_kx, span, _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
+
+
+@triton.jit
+def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl.constexpr,
+                         BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
+                         GATE_OPERANDS: tl.constexpr, STORE_GAMMA: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """The whole chunk at once, returning its span: per K tile γ = cumsum(g) in
+    registers (stored; without ``STORE_GAMMA`` only its row at the chunk's last valid
+    token, all the state pass reads; the gated operands under ``GATE_OPERANDS``) and the
+    tile's
+    share of A through one reference row for every pair, m = 31 (the last row of the
+    first half, clamped to the chunk's last): A_ij = [q_i e^{γq_i − γ_m}] · [k_j e^{γ_m −
+    γ_j}] as three [32, BK] x [BK, 32] products (first-half queries with first-half keys,
+    second-half queries with either half's keys; the fourth quarter is above the
+    diagonal). Only first-half queries and second-half keys have positive exponents, and
+    they never meet: no product exceeds its own factors. The span is the largest exponent
+    formed; A is stored only where it is ≤ ONE_REFERENCE_MAX_SPAN (what an underflowing
+    factor then loses is below e^(span − 87), the strips' argument), else the caller
+    leaves the chunk to the strips. The diagonal is formed without a gate, as there."""
+    o_1 = tl.arange(0, 32)
+    o_2 = 32 + o_1
+    m_1, m_2 = o_1 < L, o_2 < L
+    b_11 = tl.zeros([32, 32], dtype=tl.float32)
+    b_21 = tl.zeros([32, 32], dtype=tl.float32)
+    b_22 = tl.zeros([32, 32], dtype=tl.float32)
+    b_d1 = tl.zeros([32], dtype=tl.float32)
+    b_d2 = tl.zeros([32], dtype=tl.float32)
+    span = 0.
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_1k, m_2k = m_1[:, None] & m_k[None, :], m_2[:, None] & m_k[None, :]
+        o_1k = o_1[:, None] * HK + o_k[None, :]
+        o_2k = o_1k + 32 * HK
+        # Rows past the chunk's end load g = 0: the halves' sums are γ of row m (31,
+        # clamped to the last valid row) and of the chunk's last valid row.
+        b_gi1 = tl.load(g_b + o_1k, mask=m_1k, other=0.).to(tl.float32)
+        b_gi2 = tl.load(g_b + o_2k, mask=m_2k, other=0.).to(tl.float32)
+        b_gm = tl.sum(b_gi1, axis=0)
+        b_gl = b_gm + tl.sum(b_gi2, axis=0)
+        b_g1 = tl.cumsum(b_gi1, axis=0)
+        b_g2 = b_gm[None, :] + tl.cumsum(b_gi2, axis=0)
+        if STORE_GAMMA:
+            tl.store(gc_b + o_1k, b_g1, mask=m_1k)
+            tl.store(gc_b + o_2k, b_g2, mask=m_2k)
+        else:
+            tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
+        if EXCLUSIVE:
+            b_gq1, b_gq2 = b_g1 - b_gi1, b_g2 - b_gi2
+        else:
+            b_gq1, b_gq2 = b_g1, b_g2
+        b_qx1, b_kx1, span1, b_dk1 = _gk_half_factors(
+            q_b, k_b, qg_b, kg_b, u_h, o_1, m_1, o_k, m_k, b_g1, b_gq1, b_gm, b_gl, HK,
+            EXCLUSIVE, USE_U, GATE_OPERANDS)
+        b_qx2, b_kx2, span2, b_dk2 = _gk_half_factors(
+            q_b, k_b, qg_b, kg_b, u_h, o_2, m_2, o_k, m_k, b_g2, b_gq2, b_gm, b_gl, HK,
+            EXCLUSIVE, USE_U, GATE_OPERANDS)
+        span = tl.maximum(span, tl.maximum(span1, span2))
+        b_d1 += b_dk1
+        b_d2 += b_dk2
+        b_kx1 = tl.trans(b_kx1)
+        b_11 = tl.dot(b_qx1, b_kx1, b_11, input_precision=DOT_PRECISION)
+        b_21 = tl.dot(b_qx2, b_kx1, b_21, input_precision=DOT_PRECISION)
+        b_22 = tl.dot(b_qx2, tl.trans(b_kx2), b_22, input_precision=DOT_PRECISION)
+    if span <= ONE_REFERENCE_MAX_SPAN:
+        ot = A_b.dtype.element_ty
+        lower = o_1[None, :] < o_1[:, None]
+        diagonal = o_1[None, :] == o_1[:, None]
+        b_11 = tl.where(lower, b_11, 0.) + tl.where(diagonal, b_d1[:, None], 0.)
+        b_22 = tl.where(lower, b_22, 0.) + tl.where(diagonal, b_d2[:, None], 0.)
+        p_1 = A_b + o_1[:, None] * RS + o_1[None, :]
+        p_2 = p_1 + 32 * RS
+        tl.store(p_1, b_11.to(ot), mask=m_1[:, None])
+        tl.store(p_1 + 32, tl.zeros([32, 32], dtype=ot), mask=m_1[:, None])
+        tl.store(p_2, b_21.to(ot), mask=m_2[:, None])
+        tl.store(p_2 + 32, b_22.to(ot), mask=m_2[:, None])
+    return span
+
+
+@triton.jit
 def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr,
                     K: tl.constexpr, BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr,
                     USE_U: tl.constexpr, GATE_OPERANDS: tl.constexpr,
@@ -296,15 +427,15 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "ONE_REFERENCE", "SELECT"],
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "SELECT"],
        default=_A_default,
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
-    q, k, g, u, g_cum, A, qg, kg, halving, cu_seqlens, chunk_indices, T,
+    q, k, g, u, g_cum, A, qg, kg, form, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-    GATE_OPERANDS: tl.constexpr, ONE_REFERENCE: tl.constexpr, SELECT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATE_OPERANDS: tl.constexpr, FORM: tl.constexpr, SELECT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_GAMMA: tl.constexpr = True,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
@@ -312,14 +443,19 @@ def chunk_gk_fwd_A_kernel(
     state pass's gated operands (out, q's dtype, ``[B, T, H, K]``): qg = q ⊙ e^{γq} and
     kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row.
 
-    The strips' form: one reference (``ONE_REFERENCE``) or the halving. With ``SELECT``
-    a program forms only a chunk whose strips' spans all choose its form (≤
-    ONE_REFERENCE_MAX_SPAN for the one-reference form): the one-reference launch, which
-    runs first, writes γ for every chunk and ``halving`` ``[B·H, NT]`` int8 (1 where a
-    chunk is left to the halving), which the halving launch reads."""
+    ``FORM``: CHUNK_FORM (one reference row for the whole chunk), STRIP_FORM (one a
+    16-row strip) or HALVING_FORM. With ``SELECT`` three launches share the work through
+    ``form`` ``[B·H, NT]`` int8: the chunk-form launch runs first for every chunk, writes
+    γ (and the gated operands), A where the chunk's span allows, and the cheapest form
+    that fits each chunk (the strips' spans are measured only for chunks the chunk form
+    could not take); each later launch forms only the chunks marked with its form.
+    Without ``SELECT`` (fp16 inputs, ``HALVING_FORM``) one launch does everything.
+    Without ``STORE_GAMMA`` (a forward that feeds no backward) the chunk-form launch
+    writes γ only at each chunk's last valid row, except for the chunks it leaves to a
+    later launch."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    p_halving = halving + i_bh * tl.num_programs(0) + i_t
+    p_form = form + i_bh * tl.num_programs(0) + i_t
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
@@ -341,39 +477,40 @@ def chunk_gk_fwd_A_kernel(
     else:
         qg_b, kg_b = qg, kg
 
-    if ONE_REFERENCE or not SELECT:
-        # γ = cumsum(g) in the chunk, written first: the strips read rows of it back.
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            o_tk = o_t[:, None] * HK + o_k[None, :]
-            b_g = tl.cumsum(tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32), axis=0)
-            tl.store(gc_b + o_tk, b_g, mask=m_tk)
-        tl.debug_barrier()
-    if SELECT:
-        if ONE_REFERENCE:
-            span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
-                                         gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
-                              tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
-                                         gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
-            run = span <= ONE_REFERENCE_MAX_SPAN
-            tl.store(p_halving, (span > ONE_REFERENCE_MAX_SPAN).to(tl.int8))
-        else:
-            # One byte read instead of the spans' 24 rows of γ: this launch's programs
-            # mostly find nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the
-            # spans again).
-            run = tl.load(p_halving) != 0
+    if FORM == CHUNK_FORM:
+        span = _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK,
+                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, STORE_GAMMA,
+                                    DOT_PRECISION)
+        needed = tl.zeros([], dtype=tl.int32)
+        if span > ONE_REFERENCE_MAX_SPAN:
+            if not STORE_GAMMA:
+                # The later launches read rows of γ: this (rare) chunk's are written.
+                _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
+            # The strips read back the γ rows every thread of the program stored.
+            tl.debug_barrier()
+            strip = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
+                                          gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
+                               tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
+                                          gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
+            needed = tl.where(strip <= ONE_REFERENCE_MAX_SPAN, 1, 2)
+        tl.store(p_form, needed.to(tl.int8))
     else:
-        run = True
-    if run:
-        for s in tl.static_range(4):
-            if ONE_REFERENCE:
-                _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K,
-                                        BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
-                                        DOT_PRECISION)
-            else:
-                _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                                H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        if SELECT:
+            run = tl.load(p_form) == FORM
+        else:
+            # γ written first: the strips read rows of it back.
+            _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
+            tl.debug_barrier()
+            run = True
+        if run:
+            for s in tl.static_range(4):
+                if FORM == STRIP_FORM:
+                    _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s,
+                                            K, BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
+                                            DOT_PRECISION)
+                else:
+                    _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
 
 
 def _h_default(args) -> Config:
@@ -556,7 +693,8 @@ def chunk_gk_fwd_h_kernel(
 
 
 def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
-                   exclusive: bool = False, gate_operands: bool = False):
+                   exclusive: bool = False, gate_operands: bool = False,
+                   store_gamma: bool = True):
     """γ and the intra-chunk scores (inputs validated, time-major, contiguous).
 
     Args:
@@ -565,6 +703,9 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
         cu_seqlens, chunk_indices: packed sequences (B == 1) and their 64-token chunk table.
         exclusive: RWKV6's strictly causal gated scores (query gate γ − g).
         gate_operands: also return the state pass's gated operands.
+        store_gamma: write all of γ (a backward reads it); if False, g_cum is valid only
+            at each chunk's last row (what the state pass with the gated operands reads):
+            a forward that feeds no backward skips ~2/3 of this kernel's writes.
 
     Returns:
         ``(g_cum, A, qg, kg)``: γ float32 ``[B, T, H, K]``; A ``[B, T, H, 64]`` in k's
@@ -577,20 +718,24 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
-    # fp16 inputs take the halving everywhere; other inputs two launches, each compiled
-    # with one strip form (H100, 1x8192x96x128 bf16: 0.86 ms for the one-reference
-    # launch, against 1.06 for one kernel choosing the form per strip at run time, which
-    # held the registers of both).
-    forms = ((False, False),) if k.dtype == torch.float16 else ((True, True), (False, True))
-    halving = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
-    for one_reference, select in forms:
+    # fp16 inputs take the halving everywhere (their range cannot hold one reference's
+    # factors); other inputs three launches, each compiled with one form (H100,
+    # 1x8192x96x128 bf16: one kernel choosing the strips' form at run time held the
+    # registers of both, 1.06 ms against 0.86 for the one-reference strips alone). The
+    # chunk-form launch writes the gated operands of every chunk; the later two only A.
+    if k.dtype == torch.float16:
+        launches = ((HALVING_FORM, False, gate_operands),)
+    else:
+        launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, True, False),
+                    (HALVING_FORM, True, False))
+    form = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
+    for kernel_form, select, operands in launches:
         chunk_gk_fwd_A_kernel[(NT, B * H)](
-            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, halving=halving,
-            cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, T=T, H=H, K=K, EXCLUSIVE=exclusive,
-            USE_U=u is not None, GATE_OPERANDS=gate_operands, ONE_REFERENCE=one_reference,
-            SELECT=select, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(k.dtype))
+            q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, form=form,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
+            EXCLUSIVE=exclusive, USE_U=u is not None, GATE_OPERANDS=operands,
+            FORM=kernel_form.value, SELECT=select, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=dot_precision(k.dtype), STORE_GAMMA=store_gamma or not select)
     return g_cum, A, qg, kg
 
 
@@ -639,7 +784,7 @@ def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
     no exponential on its sequential chain; the backward's two state passes can read
     them the same way (``keep_operands``), else they are dropped after the pass."""
     g_cum, A, qg, kg = chunk_gk_fwd_A(q, k, g, u, cu_seqlens, chunk_indices, exclusive,
-                                      gate_operands=True)
+                                      gate_operands=True, store_gamma=keep_operands)
     NT = None if cu_seqlens is None else chunk_indices.shape[0]
     o, _, ht = chunk_gk_fwd_h(qg, kg, v, g_cum, A, scale, initial_state, output_final_state,
                               store_h=False, store_o=True, cu_seqlens=cu_seqlens,
