@@ -35,7 +35,9 @@ the transitions ``[M | X]`` of all segments in parallel (``TRANSITION``), a shor
 combine per sequence giving every segment its entering state and the final state, and
 the output pass over all segments in parallel. Without the delta M is the scalar
 exp(Σ g) times I: the transitions then carry only X (K x V, half the columns at K = V)
-and the combine is a scaled add instead of a K x K product per segment.
+and the combine is a scaled add instead of a K x K product per segment. The vector-gate
+pass (GLA, RWKV6: ``chunk_gk_fwd``) splits the same way with M = diag(exp(Σ γ_C)), and
+shares the combine, the segment tables and the launch model kept here.
 """
 from __future__ import annotations
 

@@ -16,6 +16,14 @@ pass ``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) then 
 exponential (``GATED_OPERANDS``; the backward's recomputation of the per-chunk states,
 ``STORE_H``, gates k itself). No [T, K, V]-sized tensor is written on the way to O.
 
+Few long sequences leave that pass's grid thin (2x16384x16x128: 128 programs on 132 SMs,
+each walking 256 chunks), so it may run split into segments of chunks (``SPLIT``), as
+the gated delta rule's does (``fla.ops.common.chunk_fwd_inter``): over a segment the
+update is S_out = diag(e^d) S_in + X with d = Σ γ_C over its chunks (a K-vector). The
+transitions (X, d) of all segments in parallel (``TRANSITION``), a short serial combine
+per sequence (``chunk_state_combine_kernel``, form "vector") giving each segment its
+entering state, then o (or h) of all segments in parallel: the same kernel body each time.
+
 Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
 is built from 16-row strips, as tensor-core dots over factor-scaled q and k, with the
 identity (m a reference row)::
@@ -698,7 +706,8 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
         kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
             h0=initial_state, ht=ht, STORE_H=store_h, STORE_O=store_o,
             USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-            FEW_PROGRAMS=sequential_grid_fill(N, H, V), **common)
+            FEW_PROGRAMS=sequential_grid_fill(N, H, V), SPLIT=False, TRANSITION=False,
+            **common)
         return o, h, ht
 
     if offsets is None:
@@ -716,8 +725,8 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
     seg_h0 = chunk_fwd_inter.combine_segment_states(x, seg_decay, "vector", seg_offsets, V,
                                                     initial_state, ht)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
-        h0=seg_h0, ht=None, segments=segments, SPLIT=True, STORE_H=store_h, STORE_O=store_o,
-        USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, FEW_PROGRAMS=0, **common)
+        h0=seg_h0, ht=None, segments=segments, SPLIT=True, TRANSITION=False, STORE_H=store_h,
+        STORE_O=store_o, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, FEW_PROGRAMS=0, **common)
     return o, h, ht
 
 

@@ -14,6 +14,11 @@ from the saved A); both passes read the forward's gated operands Q ⊙ e^{γq} a
 K ⊙ e^{γ_C − γ}, kept when an input needed a gradient. ``chunk_gk_bwd`` gives dQ, dK and
 ∂L/∂g (the reverse chunk-local cumsum of ∂L/∂γ done in registers).
 
+Both state passes ``chunk_gk_fwd_h`` (the forward's, the backward's recomputation of h)
+split few long sequences into segments where the launch model says the GPU would
+otherwise idle; the host copy of ``cu_seqlens`` read by the input checks travels with the
+stages as ``offsets``, so that choice reads nothing back from the device.
+
 RWKV6 runs the same stages with ``exclusive=True`` (its query reads the state before its
 token: query gate γ − w, strictly causal A) and its bonus u on A's diagonal.
 """
