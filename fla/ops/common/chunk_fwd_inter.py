@@ -140,6 +140,30 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
     return b_ks, b_qs, b_qk, b_k
 
 
+@triton.jit
+def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+    """``(n, bos, T, first, end)`` for program ``i_p`` along the sequences of a chunk
+    pass: its sequence n, the sequence's first token (an int64 row) and length, and the
+    chunks [first, end) the program walks: all of the sequence's, or with ``SPLIT`` those
+    of row i_p of ``segments [P, 3]`` (:func:`segment_tables`)."""
+    if SPLIT:
+        i_n = tl.load(segments + i_p * 3)
+        first = tl.load(segments + i_p * 3 + 1)
+        end = tl.load(segments + i_p * 3 + 2)
+    else:
+        i_n = i_p
+        first = i_p * 0
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+    if not SPLIT:
+        end = tl.cdiv(T, BT)
+    return i_n, bos, T, first, end
+
+
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
             "FEW_PROGRAMS", "STATES_ONLY"],
        default=_default, space=_space)
@@ -179,20 +203,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     W: tl.constexpr = K + V if AUGMENTED else V
     BT: tl.constexpr = 64  # (a module-level int is not readable inside @jit on Triton 3.6)
     i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if SPLIT:
-        i_n = tl.load(segments + i_p * 3)
-        first = tl.load(segments + i_p * 3 + 1)
-        end = tl.load(segments + i_p * 3 + 2)
-    else:
-        i_n = i_p
-        first = 0
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-    if not SPLIT:
-        end = tl.cdiv(T, BT)
+    i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
+                                                 IS_VARLEN)
     if STATES_ONLY:
         # Index of the sequence's first chunk in h.
         if IS_VARLEN:

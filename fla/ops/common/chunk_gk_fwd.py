@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common import chunk_fwd_inter
+from fla.ops.common.chunk_fwd_inter import segment_of_program
 from fla.ops.utils.index import chunk_counts, locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
@@ -493,22 +494,13 @@ def chunk_gk_fwd_h_kernel(
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only."""
     BT: tl.constexpr = 64
     i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if SPLIT:
-        i_n = tl.load(segments + i_p * 3)
-        first = tl.load(segments + i_p * 3 + 1)
-        end = tl.load(segments + i_p * 3 + 2)
-    else:
-        i_n = i_p
-        first = 0
+    i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
+                                                 IS_VARLEN)
+    # The sequence's first chunk in h.
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
-        bos = i_n.to(tl.int64) * T
         boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    if not SPLIT:
-        end = tl.cdiv(T, BT)
     dt = k.dtype.element_ty
     HK = H * K
     o_t = tl.arange(0, BT)
