@@ -11,7 +11,7 @@ from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd_A, chunk_gk_fwd_h, gk_defau
 from fla.ops.gla import chunk_gla
 from fla.ops.rwkv6 import chunk_rwkv6
 from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
-from tests.helpers import assert_rel_close, cu_seqlens_of, generator, odd_length, randn
+from tests.helpers import assert_rel_close, cu_seqlens_of, generator, odd_length
 from tests.ops import test_gla, test_rwkv6
 
 # Packed sequences of 5, 1 and 3 chunks, none a multiple of 64 tokens: with segments of

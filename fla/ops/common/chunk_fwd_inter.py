@@ -515,19 +515,22 @@ MIN_SEGMENT_CHUNKS = 8
 # steps. In units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with
 # or without the delta, timed unsplit), a transition program's step costs TRANSITION_STEP,
 # and each segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per
-# segment with the delta, a scaled add without). Keyed by the transitions' form
-# (:func:`transition_width`). "scalar" (simple GLA, no delta): fitted (least squares) to the simple GLA pass at 2x16384x16x128 with X-only transitions, timed
-# unsplit and at seven segment lengths on 2026-11-25 (0.40-0.91 ms; the model within 15%,
-# its pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
-# folds in the slower output steps of a full wave next to the unsplit pass's). "delta":
-# fitted to the delta rule's 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64
-# chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms), when its
-# output pass ran BV = 32; since 2026-11-26 it runs BV = 64 (half the output programs)
-# and the model's picks measured well: 1x65536x8x128 op 1.59 -> 1.20 ms. "vector" (the
-# GLA / RWKV6 pass, fla.ops.common.chunk_gk_fwd): NOT FITTED YET, the scalar form's
-# numbers copied. Its transition step is the pass's own step without Q, A or the output,
-# plus a K-vector of log decay; its combine step a scaled add with a K-vector of scales;
-# neither has been timed on a GPU.
+# segment with the delta, a scaled add without). Keyed by the transitions' form.
+# "scalar" (simple GLA, no delta): fitted (least squares) to the simple GLA pass at
+# 2x16384x16x128 with X-only transitions, timed unsplit and at seven segment lengths on
+# 2026-11-25 (0.40-0.91 ms; the model within 15%, its pick 64 chunks at 0.408 ms against
+# the best measured, 32 chunks at 0.403; the step folds in the slower output steps of a
+# full wave next to the unsplit pass's). "delta": fitted to the delta rule's 32 programs
+# over 1024 chunks (3.74 ms unsplit, 1.38 at 64 chunks) and 128 programs over 256 chunks
+# (splitting lost: 0.99 -> 1.27 ms), when its output pass ran BV = 32; since 2026-11-26 it
+# runs BV = 64 (half the output programs) and the model's picks measured well:
+# 1x65536x8x128 op 1.59 -> 1.20 ms. "vector" (the GLA / RWKV6 pass,
+# fla.ops.common.chunk_gk_fwd): NOT FITTED YET, the scalar form's numbers copied. Its
+# transition step is the pass's own step without Q, A or the output, plus a K-vector of
+# log decay; its combine step a scaled add with a K-vector of scales; neither has been
+# timed on a GPU. (Offline sm_90 build, Triton 3.6, K = V = 128, BV = 64, 4 warps: the
+# output program 172 registers and 104 KB of shared memory, two an SM as assumed here;
+# the transition 118 and 48 KB, four an SM.)
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
 COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}
