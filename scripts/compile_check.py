@@ -163,13 +163,16 @@ class OfflineCompiler:
         if key in self.seen:
             return
         self.seen.add(key)
+        # The tuning key's values name the variant (e.g. a split pass's TRANSITION).
+        variant = " ".join(f"{k}={v}" for k, v in zip(tuned.key, tuned.key_of(named)))
         if self.parallel:
-            self.jobs.append(lambda: self._compile(tuned, config, fn, sig, constexprs, attrs))
+            self.jobs.append(lambda: self._compile(tuned, config, fn, sig, constexprs, attrs,
+                                                   variant))
             return
-        self._compile(tuned, config, fn, sig, constexprs, attrs)
+        self._compile(tuned, config, fn, sig, constexprs, attrs, variant)
 
-    def _compile(self, tuned, config, fn, sig, constexprs, attrs) -> None:
-        label = f"{tuned.name.split('.')[-1]} {config}"
+    def _compile(self, tuned, config, fn, sig, constexprs, attrs, variant="") -> None:
+        label = f"{tuned.name.split('.')[-1]} [{variant}] {config}"
         t0 = time.perf_counter()
         try:
             compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=self.target,
@@ -186,6 +189,21 @@ class OfflineCompiler:
         print(f"ok    {seconds:6.2f} s  {label}{extra}", flush=True)
 
 
+def plain_gla_backward(q, k, v, gk, u, h0) -> None:
+    """GLA / RWKV6's backward step given no gated operands (what a forward that kept none
+    leaves it): its state passes then gate q and k themselves, other kernel variants
+    than the public op's forward + backward reach."""
+    from fla.ops.gla import chunk as gla_chunk
+
+    q, k, v, gk, h0 = (t.detach() for t in (q, k, v, gk, h0))
+    u = None if u is None else u.detach()
+    exclusive = u is not None
+    _, _, g_cum, A, _, _ = gla_chunk._forward(q, k, v, gk, u, h0, 1.0, True, False, None,
+                                              None, None, None, exclusive, v.dtype)
+    gla_chunk._backward(q, k, v, gk, u, g_cum, A, None, None, h0, None, None, None, None,
+                        torch.zeros_like(v), torch.zeros_like(h0), 1.0, exclusive)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90)
@@ -196,7 +214,8 @@ def main(argv=None) -> int:
                    help="use Triton's usual cache (default: a fresh one, for compile times)")
     p.add_argument("--only", default="", help="compile only kernels whose name has this")
     p.add_argument("--split", action="store_true",
-                   help="force the segment split of the forward state pass")
+                   help="force the segment split of the forward state passes (gated "
+                        "delta rule, simple GLA; GLA and RWKV6 forward and backward)")
     p.add_argument("--resources", action="store_true",
                    help="registers, stack, local (spill) and shared memory per kernel")
     p.add_argument("--jobs", type=int, default=1,
@@ -272,6 +291,8 @@ def main(argv=None) -> int:
                 with torch.no_grad():  # simple GLA's inference forward takes other kernels
                     op(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()
+            if op in (chunk_gla, chunk_rwkv6):
+                plain_gla_backward(q, k, v, gk, u if family == "rwkv6" else None, h0)
     if compiler.jobs:
         from concurrent.futures import ThreadPoolExecutor
 

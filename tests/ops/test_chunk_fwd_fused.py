@@ -270,7 +270,7 @@ def test_split_model_matches_the_measured_pass(monkeypatch):
     measured no-split and split choices of the delta rule."""
     from fla.ops.common import chunk_fwd_inter as inter
     monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
-    shape = ([256, 256], 16, 2, 2, False, inter.PROGRAMS_PER_SM * 132)
+    shape = ([256, 256], 16, 2, 2, "scalar", inter.PROGRAMS_PER_SM * 132)
     step_ms = MEASURED_SPLIT_MS[0] / inter.split_time(0, *shape)  # one output chunk step
     for length, ms in MEASURED_SPLIT_MS.items():
         model = inter.split_time(length, *shape) * step_ms
@@ -280,14 +280,15 @@ def test_split_model_matches_the_measured_pass(monkeypatch):
     assert inter.default_segment_chunks(None, 2, 16384, 16, 128, 128, False, True) == chosen
     # The delta rule: 32 programs over 1024 chunks split (3.74 ms unsplit, 1.38 at 64
     # chunks); 128 programs over 256 chunks do not (a split measured 0.99 -> 1.27 ms).
-    split = inter.segment_chunks_for([1024], 8, 4, 8, True)
+    split = inter.segment_chunks_for([1024], 8, 4, 8, "delta")
     assert split and split % inter.MIN_SEGMENT_CHUNKS == 0
-    assert inter.split_time(split, [1024], 8, 4, 8, True, 264) < inter.split_time(
-        64, [1024], 8, 4, 8, True, 264) < inter.split_time(0, [1024], 8, 4, 8, True, 264)
-    assert inter.segment_chunks_for([256] * 8, 4, 4, 8, True) == 0
+    assert inter.split_time(split, [1024], 8, 4, 8, "delta", 264) < inter.split_time(
+        64, [1024], 8, 4, 8, "delta", 264) < inter.split_time(0, [1024], 8, 4, 8, "delta",
+                                                            264)
+    assert inter.segment_chunks_for([256] * 8, 4, 4, 8, "delta") == 0
     # A pass that fills a wave, or sequences too short to cut, is never split.
-    assert inter.segment_chunks_for([1024] * 4, 33, 2, 4, False) == 0
-    assert inter.segment_chunks_for([15], 1, 1, 2, False) == 0
+    assert inter.segment_chunks_for([1024] * 4, 33, 2, 4, "scalar") == 0
+    assert inter.segment_chunks_for([15], 1, 1, 2, "scalar") == 0
 
 
 @pytest.mark.interpret

@@ -146,12 +146,13 @@ def test_backward_with_and_without_the_gated_operands(exclusive, device, seed):
     u = randn((2, 32), gen, torch.float64).float().to(device) if exclusive else None
     cu = cu_seqlens_of(lengths, device)
     ci = prepare_chunk_indices(cu, 64)
-    co = varlen_chunk_offsets(cu, 64, cu.tolist())
+    offsets = cu.tolist()
+    co = varlen_chunk_offsets(cu, 64, offsets)
     do = randn(v.shape, gen, torch.float64).float().to(device)
     dht = randn(h0.shape, gen, torch.float64).float().to(device)
     _, _, g_cum, A, qg, kg = gla_chunk._forward(q, k, v, g, u, h0, 0.2, True, True, cu, ci,
-                                                co, exclusive, torch.float32)
-    rest = (h0, cu, ci, co, do, dht, 0.2, exclusive)
+                                                co, offsets, exclusive, torch.float32)
+    rest = (h0, cu, ci, co, offsets, do, dht, 0.2, exclusive)
     with_ops = gla_chunk._backward(q, k, v, g, u, g_cum, A, qg, kg, *rest)
     without = gla_chunk._backward(q, k, v, g, u, g_cum, A, None, None, *rest)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "du", "dh0"), with_ops, without):

@@ -35,7 +35,9 @@ the transitions ``[M | X]`` of all segments in parallel (``TRANSITION``), a shor
 combine per sequence giving every segment its entering state and the final state, and
 the output pass over all segments in parallel. Without the delta M is the scalar
 exp(Σ g) times I: the transitions then carry only X (K x V, half the columns at K = V)
-and the combine is a scaled add instead of a K x K product per segment.
+and the combine is a scaled add instead of a K x K product per segment. The vector-gate
+pass (GLA, RWKV6: ``chunk_gk_fwd``) splits the same way with M = diag(exp(Σ γ_C)), and
+shares the combine, the segment tables and the launch model kept here.
 """
 from __future__ import annotations
 
@@ -138,6 +140,30 @@ def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constex
     return b_ks, b_qs, b_qk, b_k
 
 
+@triton.jit
+def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+    """``(n, bos, T, first, end)`` for program ``i_p`` along the sequences of a chunk
+    pass: its sequence n, the sequence's first token (an int64 row) and length, and the
+    chunks [first, end) the program walks: all of the sequence's, or with ``SPLIT`` those
+    of row i_p of ``segments [P, 3]`` (:func:`segment_tables`)."""
+    if SPLIT:
+        i_n = tl.load(segments + i_p * 3)
+        first = tl.load(segments + i_p * 3 + 1)
+        end = tl.load(segments + i_p * 3 + 2)
+    else:
+        i_n = i_p
+        first = i_p * 0
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+    if not SPLIT:
+        end = tl.cdiv(T, BT)
+    return i_n, bos, T, first, end
+
+
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
             "FEW_PROGRAMS", "STATES_ONLY"],
        default=_default, space=_space)
@@ -177,20 +203,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     W: tl.constexpr = K + V if AUGMENTED else V
     BT: tl.constexpr = 64  # (a module-level int is not readable inside @jit on Triton 3.6)
     i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if SPLIT:
-        i_n = tl.load(segments + i_p * 3)
-        first = tl.load(segments + i_p * 3 + 1)
-        end = tl.load(segments + i_p * 3 + 2)
-    else:
-        i_n = i_p
-        first = 0
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-    if not SPLIT:
-        end = tl.cdiv(T, BT)
+    i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
+                                                 IS_VARLEN)
     if STATES_ONLY:
         # Index of the sequence's first chunk in h.
         if IS_VARLEN:
@@ -420,35 +434,41 @@ def _affine_step(mx, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
 
 @triton.jit
 def _scaled_step(x, seg_decay, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, o_v, m_v):
-    """dst[:, cols] = exp(seg_decay[i_s, i_h]) src[:, cols] + X_s[:, cols]: the transition
-    of a segment without the delta, whose M is a scalar times I; ``x[i_s, i_h]`` is X
-    (K x V)."""
+                 BK: tl.constexpr, o_v, m_v, PER_CHANNEL: tl.constexpr):
+    """dst[:, cols] = diag(exp(d)) src[:, cols] + X_s[:, cols]: the transition of a
+    segment whose M is diagonal, with ``x[i_s, i_h]`` its X (K x V) and d its log decay:
+    one value ``seg_decay[i_s, i_h]`` (simple GLA, M = e^d I) or with ``PER_CHANNEL`` a
+    K-vector ``seg_decay[i_s, i_h, :]`` (the vector gate's Σ γ_C over the segment)."""
     o_k = tl.arange(0, BK)
     base = (tl.full([], 0, tl.int64) + i_s * H + i_h)
-    b_m = tl.exp(tl.load(seg_decay + base))
     for i_r in range(tl.cdiv(K, BK)):
         rows = i_r * BK + o_k
         p_s = rows[:, None] * V + o_v[None, :]
         m_s = (rows < K)[:, None] & m_v[None, :]
-        b_s = (b_m * tl.load(src + p_s, mask=m_s, other=0.)
+        if PER_CHANNEL:
+            b_d = tl.load(seg_decay + base * K + rows, mask=rows < K, other=0.)[:, None]
+        else:
+            b_d = tl.load(seg_decay + base)
+        b_s = (tl.exp(b_d) * tl.load(src + p_s, mask=m_s, other=0.)
                + tl.load(x + base * (K * V) + p_s, mask=m_s, other=0.))
         tl.store(dst + p_s, b_s, mask=m_s)
 
 
-@tuned(key=["K", "V", "h0", "SCALAR_DECAY"], default=_combine_default, space=_combine_space)
+@tuned(key=["K", "V", "h0", "FORM"], default=_combine_default, space=_combine_space)
 @triton.jit
 def chunk_state_combine_kernel(
     mx, seg_decay, h0, seg_h0, ht, seg_offsets,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    SCALAR_DECAY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
     its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
     last segment is the sequence's final state ``ht[n]``. All states fp32 ``K x V``.
-    ``mx [P, H, K, K + V]`` holds ``[M | X]``, or with ``SCALAR_DECAY`` (no delta)
-    ``mx [P, H, K, V]`` holds X and ``seg_decay [P, H]`` log M."""
+    ``FORM`` is the transitions' (see :func:`transition_width`): ``"delta"``, where
+    ``mx [P, H, K, K + V]`` holds ``[M | X]``; ``"scalar"`` (simple GLA), where
+    ``mx [P, H, K, V]`` holds X and ``seg_decay [P, H]`` log M (M = e^d I); ``"vector"``
+    (GLA, RWKV6), X and ``seg_decay [P, H, K]`` the log of M's diagonal."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s0 = tl.load(seg_offsets + i_n)
     s1 = tl.load(seg_offsets + i_n + 1)
@@ -470,19 +490,21 @@ def chunk_state_combine_kernel(
         # Every thread's part of seg_h0[i_s] must be stored before any thread reads it.
         tl.debug_barrier()
         src = seg_h0 + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * V)
-        if SCALAR_DECAY:
-            _scaled_step(mx, seg_decay, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v)
-        else:
+        if FORM == "delta":
             _affine_step(mx, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v,
                          DOT_PRECISION)
+        else:
+            _scaled_step(mx, seg_decay, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v,
+                         FORM == "vector")
     if STORE_FINAL_STATE:
         tl.debug_barrier()
         src = seg_h0 + (tl.full([], 0, tl.int64) + (s1 - 1) * H + i_h) * (K * V)
         dst = ht + (i_n.to(tl.int64) * H + i_h) * (K * V)
-        if SCALAR_DECAY:
-            _scaled_step(mx, seg_decay, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v)
-        else:
+        if FORM == "delta":
             _affine_step(mx, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v, DOT_PRECISION)
+        else:
+            _scaled_step(mx, seg_decay, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v,
+                         FORM == "vector")
 
 
 # Segment lengths are multiples of this many chunks.
@@ -493,18 +515,25 @@ MIN_SEGMENT_CHUNKS = 8
 # steps. In units of an output program's chunk step (~3.5 µs on H100 at K = V = 128, with
 # or without the delta, timed unsplit), a transition program's step costs TRANSITION_STEP,
 # and each segment adds COMBINE_STEP to its sequence's serial combine (a K x K product per
-# segment with the delta, a scaled add without). Keyed by the delta. Without it: fitted
-# (least squares) to the simple GLA pass at 2x16384x16x128 with X-only transitions, timed
-# unsplit and at seven segment lengths on 2026-11-25 (0.40-0.91 ms; the model within 15%,
-# its pick 64 chunks at 0.408 ms against the best measured, 32 chunks at 0.403; the step
-# folds in the slower output steps of a full wave next to the unsplit pass's). With it:
-# fitted to the delta rule's 32 programs over 1024 chunks (3.74 ms unsplit, 1.38 at 64
-# chunks) and 128 programs over 256 chunks (splitting lost: 0.99 -> 1.27 ms), when its
-# output pass ran BV = 32; since 2026-11-26 it runs BV = 64 (half the output programs)
-# and the model's picks measured well: 1x65536x8x128 op 1.59 -> 1.20 ms.
+# segment with the delta, a scaled add without). Keyed by the transitions' form.
+# "scalar" (simple GLA, no delta): fitted (least squares) to the simple GLA pass at
+# 2x16384x16x128 with X-only transitions, timed unsplit and at seven segment lengths on
+# 2026-11-25 (0.40-0.91 ms; the model within 15%, its pick 64 chunks at 0.408 ms against
+# the best measured, 32 chunks at 0.403; the step folds in the slower output steps of a
+# full wave next to the unsplit pass's). "delta": fitted to the delta rule's 32 programs
+# over 1024 chunks (3.74 ms unsplit, 1.38 at 64 chunks) and 128 programs over 256 chunks
+# (splitting lost: 0.99 -> 1.27 ms), when its output pass ran BV = 32; since 2026-11-26 it
+# runs BV = 64 (half the output programs) and the model's picks measured well:
+# 1x65536x8x128 op 1.59 -> 1.20 ms. "vector" (the GLA / RWKV6 pass,
+# fla.ops.common.chunk_gk_fwd): NOT FITTED YET, the scalar form's numbers copied. Its
+# transition step is the pass's own step without Q, A or the output, plus a K-vector of
+# log decay; its combine step a scaled add with a K-vector of scales; neither has been
+# timed on a GPU. (Offline sm_90 build, Triton 3.6, K = V = 128, BV = 64, 4 warps: the
+# output program 172 registers and 104 KB of shared memory, two an SM as assumed here;
+# the transition 118 and 48 KB, four an SM.)
 PROGRAMS_PER_SM = 2
-TRANSITION_STEP = {False: 0.44, True: 0.7}
-COMBINE_STEP = {False: 2.0, True: 4.0}
+TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
+COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}
 # A split must save at least this share of the unsplit pass in the model. It costs two
 # more launches and their host work, and where the model saw 3-22% the pass gained at
 # most 7% and the op lost 2-80 µs (H100, 2026-11-25: simple GLA at 8x1024x8x64,
@@ -520,21 +549,22 @@ def program_slots() -> int:
 
 
 def split_time(length: int, seq_chunks: list[int], heads: int, output_tiles: int,
-               transition_tiles: int, delta: bool, slots: int) -> float:
+               transition_tiles: int, form: str, slots: int) -> float:
     """The launch model's time of the pass (in output chunk steps) with segments of
-    ``length`` chunks (0: unsplit) on ``slots`` resident programs."""
+    ``length`` chunks (0: unsplit) on ``slots`` resident programs; ``form`` the
+    transitions' (``"scalar"``: simple GLA, ``"delta"``, ``"vector"``: GLA / RWKV6)."""
     longest = max(seq_chunks)
     if not length:
         return cdiv(len(seq_chunks) * heads * output_tiles, slots) * longest
     pieces = sum(cdiv(c, length) for c in seq_chunks)
     steps = min(length, longest)
-    return ((cdiv(pieces * heads * transition_tiles, slots) * TRANSITION_STEP[delta]
+    return ((cdiv(pieces * heads * transition_tiles, slots) * TRANSITION_STEP[form]
              + cdiv(pieces * heads * output_tiles, slots)) * steps
-            + COMBINE_STEP[delta] * cdiv(longest, length))
+            + COMBINE_STEP[form] * cdiv(longest, length))
 
 
 def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
-                       transition_tiles: int, delta: bool) -> int:
+                       transition_tiles: int, form: str) -> int:
     """Chunks per segment for the pass over sequences of ``seq_chunks`` chunks each, with
     ``output_tiles`` (``transition_tiles``) programs per head and segment in the output
     (transition) launch; 0 means no split. The launch model above (:func:`split_time`)
@@ -550,14 +580,14 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     longest = max(seq_chunks)
     if len(seq_chunks) * heads * output_tiles >= slots or longest < 2 * MIN_SEGMENT_CHUNKS:
         return 0
-    key = (tuple(seq_chunks), heads, output_tiles, transition_tiles, delta, slots)
+    key = (tuple(seq_chunks), heads, output_tiles, transition_tiles, form, slots)
     chosen = _segment_lengths.get(key)
     if chosen is None:
         step = MIN_SEGMENT_CHUNKS
         most_pieces = min(cdiv(longest, step), cdiv(4 * slots, heads * output_tiles))
         lengths = ({0} | set(range(step, min(longest, 64 * step), step))
                    | {cdiv(longest, p * step) * step for p in range(2, most_pieces + 1)})
-        shape = (seq_chunks, heads, output_tiles, transition_tiles, delta, slots)
+        shape = (seq_chunks, heads, output_tiles, transition_tiles, form, slots)
         chosen = min(sorted(n for n in lengths if n < longest),
                      key=lambda n: split_time(n, *shape))
         if split_time(chosen, *shape) > (1 - MIN_SPLIT_SAVING) * split_time(0, *shape):
@@ -589,7 +619,8 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True,
                        FEW_PROGRAMS=0)).meta["BV"]
     return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
-                              cdiv(transition_width(K, V, delta), bw), delta)
+                              cdiv(transition_width(K, V, delta), bw),
+                              "delta" if delta else "scalar")
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -611,6 +642,29 @@ def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tenso
         _segment_tables.clear()
     _segment_tables[key] = tables
     return tables
+
+
+def combine_segment_states(mx: torch.Tensor, seg_decay: torch.Tensor | None, form: str,
+                           seg_offsets: torch.Tensor, V: int,
+                           initial_state: torch.Tensor | None = None,
+                           final_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The split's serial step (:func:`chunk_state_combine_kernel`, one program per V
+    tile, head and sequence): the state entering each segment, ``seg_h0 [P, H, K, V]``
+    float32, from the transitions ``mx [P, H, K, W]`` (and ``seg_decay``, ``[P, H]`` for
+    ``form == "scalar"``, ``[P, H, K]`` for ``"vector"``, None for ``"delta"``), the
+    sequences' ``initial_state [N, H, K, V]`` (None: zeros), with ``seg_offsets [N + 1]``
+    from :func:`segment_tables`. Writes each sequence's state after its last segment to
+    ``final_state [N, H, K, V]`` float32 when given."""
+    P, H, K = mx.shape[:3]
+    N = seg_offsets.numel() - 1
+    seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=mx.device)
+    chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
+        mx=mx, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0, ht=final_state,
+        seg_offsets=seg_offsets, H=H, K=K, V=V, BK=tile_width(K, 64),
+        USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=final_state is not None, FORM=form,
+        DOT_PRECISION=dot_precision(torch.float32))
+    return seg_h0
 
 
 def _states_shape(k: torch.Tensor, V: int, offsets: list[int], varlen: bool) -> tuple:
@@ -749,12 +803,8 @@ def chunk_gated_delta_rule_fwd_inter(
         STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=0,
         # The transitions use no scores: one compiled variant (and tuning space) for all.
         **dict(common, FORM_AQK=False, STORE_AQK=False))
-    seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
-    chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
-        mx=mx, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0, ht=final_state,
-        seg_offsets=seg_offsets, H=H, K=K, V=V, BK=tile_width(K, 64),
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        SCALAR_DECAY=not delta, DOT_PRECISION=dot_precision(torch.float32))
+    seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
+                                    seg_offsets, V, initial_state, final_state)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
         STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common,

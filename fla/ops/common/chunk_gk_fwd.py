@@ -16,6 +16,14 @@ pass ``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) then 
 exponential (``GATED_OPERANDS``; the backward's recomputation of the per-chunk states,
 ``STORE_H``, gates k itself). No [T, K, V]-sized tensor is written on the way to O.
 
+Few long sequences leave that pass's grid thin (2x16384x16x128: 128 programs on 132 SMs,
+each walking 256 chunks), so it may run split into segments of chunks (``SPLIT``), as
+the gated delta rule's does (``fla.ops.common.chunk_fwd_inter``): over a segment the
+update is S_out = diag(e^d) S_in + X with d = Σ γ_C over its chunks (a K-vector). The
+transitions (X, d) of all segments in parallel (``TRANSITION``), a short serial combine
+per sequence (``chunk_state_combine_kernel``, form "vector") giving each segment its
+entering state, then o (or h) of all segments in parallel: the same kernel body each time.
+
 Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
 is built as tensor-core dots over factor-scaled q and k, with the identity (m a
 reference row)::
@@ -49,14 +57,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.index import locate_chunk
+from fla.ops.common import chunk_fwd_inter
+from fla.ops.common.chunk_fwd_inter import segment_of_program
+from fla.ops.utils.index import chunk_counts, locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gk_fwd", "chunk_gk_fwd_A", "chunk_gk_fwd_h", "chunk_gk_fwd_A_kernel",
-           "chunk_gk_fwd_h_kernel", "CHUNK_SIZE"]
+           "chunk_gk_fwd_h_kernel", "gk_default_segment_chunks", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64
 # The one-reference strips run where no exponent exceeds this: e^60 ≈ 1.1e26, so a factor
@@ -550,14 +560,15 @@ def _h_space(args) -> list[Config]:
 
 
 @triton.jit
-def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L, HK,
-                   o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def _gk_state_step(b_s, b_d, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L,
+                   HK, o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr,
-                   STORE_H: tl.constexpr, STORE_O: tl.constexpr,
+                   STORE_H: tl.constexpr, STORE_O: tl.constexpr, TRANSITION: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """One [BK, BV] tile of the state through one chunk: stores it (``STORE_H``), adds
-    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it. ``q_b``,
-    ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state; with
+    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it; a
+    ``TRANSITION`` adds the chunk's γ_C to the tile's rows of the log decay ``b_d`` [BK].
+    ``q_b``, ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state; with
     ``GATED_OPERANDS`` q and k are already Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}."""
     dt = k_b.dtype.element_ty
     o_k = i_kt * BK + tl.arange(0, BK)
@@ -587,13 +598,15 @@ def _gk_state_step(b_s, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m
         b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)),
                         0.).to(dt)
+    if TRANSITION:
+        b_d += b_gl
     b_s = b_s * tl.exp(b_gl)[:, None]
     b_s = tl.dot(tl.trans(b_kd), b_v, b_s, input_precision=DOT_PRECISION)
-    return b_s, b_o
+    return b_s, b_d, b_o
 
 
 @tuned(key=["K", "V", "k", "EXCLUSIVE", "GATED_OPERANDS", "STORE_H", "STORE_O",
-            "FEW_PROGRAMS"],
+            "FEW_PROGRAMS", "SPLIT", "TRANSITION"],
        default=_h_default,
        space=_h_space)
 @triton.jit(do_not_specialize=["T", "H"])
@@ -603,20 +616,28 @@ def chunk_gk_fwd_h_kernel(
     EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr, STORE_H: tl.constexpr,
     STORE_O: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr = 0,
+    segments=None, seg_decay=None, SPLIT: tl.constexpr = False,
+    TRANSITION: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(V, BV), H, N)``: one program walks one sequence's chunks for one V
-    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64).
+    """Grid ``(cdiv(V, BV), H, P)``: one program walks one sequence's chunks for one V
+    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64). P = N, or
+    with ``SPLIT`` one program per row of ``segments [P, 3]`` int32 (sequence, first
+    chunk, end chunk) walking that segment's chunks, ``h0`` and ``ht`` then indexed by
+    segment (h, o still by the sequence's tokens and global chunks).
+    A ``TRANSITION`` (with ``SPLIT``, no o, no h) starts from zeros and stores the
+    segment's X to ``ht [P, H, K, V]`` and, from the first V tile's program, its log
+    decay d = Σ γ_C over its chunks to ``seg_decay [P, H, K]`` (fp32): over the segment
+    S_out = diag(e^d) S_in + X.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only."""
     BT: tl.constexpr = 64
-    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
+                                                 IS_VARLEN)
+    # The sequence's first chunk in h.
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
-        bos = i_n.to(tl.int64) * T
         boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
     dt = k.dtype.element_ty
     HK = H * K
     o_t = tl.arange(0, BT)
@@ -630,8 +651,13 @@ def chunk_gk_fwd_h_kernel(
     b_s2 = tl.zeros([BK, BV], dtype=tl.float32)
     b_s3 = tl.zeros([BK, BV], dtype=tl.float32)
     b_s4 = tl.zeros([BK, BV], dtype=tl.float32)
+    # A transition's log decay, per K tile (zeros elsewhere: unused, compiled away).
+    b_d1 = tl.zeros([BK], dtype=tl.float32)
+    b_d2 = tl.zeros([BK], dtype=tl.float32)
+    b_d3 = tl.zeros([BK], dtype=tl.float32)
+    b_d4 = tl.zeros([BK], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        p_h0 = h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        p_h0 = h0 + (i_p.to(tl.int64) * H + i_h) * (K * V) + o_s
         b_s1 += tl.load(p_h0, mask=m_s, other=0.).to(tl.float32)
         if K > BK:
             b_s2 += tl.load(p_h0 + BK * V, mask=m_s & (BK + o_k < K)[:, None],
@@ -643,7 +669,7 @@ def chunk_gk_fwd_h_kernel(
             b_s4 += tl.load(p_h0 + 3 * BK * V, mask=m_s & (3 * BK + o_k < K)[:, None],
                             other=0.).to(tl.float32)
 
-    for i_t in range(NT):
+    for i_t in range(first, end):
         row0 = bos + i_t * BT
         L = tl.minimum(T - i_t * BT, BT)
         m_t = o_t < L
@@ -662,27 +688,31 @@ def chunk_gk_fwd_h_kernel(
             b_a = tl.load(A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
                           mask=m_t[:, None], other=0.).to(dt)
             b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PRECISION)
-        b_s1, b_o = _gk_state_step(b_s1, b_o, b_v, q_b, k_b, g_b, h_b, 0, o_t, m_t, L, HK,
-                                   o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS, STORE_H,
-                                   STORE_O, DOT_PRECISION)
+        b_s1, b_d1, b_o = _gk_state_step(b_s1, b_d1, b_o, b_v, q_b, k_b, g_b, h_b, 0, o_t,
+                                         m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+                                         GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
+                                         DOT_PRECISION)
         if K > BK:
-            b_s2, b_o = _gk_state_step(b_s2, b_o, b_v, q_b, k_b, g_b, h_b, 1, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
-                                       STORE_H, STORE_O, DOT_PRECISION)
+            b_s2, b_d2, b_o = _gk_state_step(b_s2, b_d2, b_o, b_v, q_b, k_b, g_b, h_b, 1, o_t,
+                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+                                             GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
+                                             DOT_PRECISION)
         if K > 2 * BK:
-            b_s3, b_o = _gk_state_step(b_s3, b_o, b_v, q_b, k_b, g_b, h_b, 2, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
-                                       STORE_H, STORE_O, DOT_PRECISION)
+            b_s3, b_d3, b_o = _gk_state_step(b_s3, b_d3, b_o, b_v, q_b, k_b, g_b, h_b, 2, o_t,
+                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+                                             GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
+                                             DOT_PRECISION)
         if K > 3 * BK:
-            b_s4, b_o = _gk_state_step(b_s4, b_o, b_v, q_b, k_b, g_b, h_b, 3, o_t, m_t, L, HK,
-                                       o_v, m_v, V, K, BK, EXCLUSIVE, GATED_OPERANDS,
-                                       STORE_H, STORE_O, DOT_PRECISION)
+            b_s4, b_d4, b_o = _gk_state_step(b_s4, b_d4, b_o, b_v, q_b, k_b, g_b, h_b, 3, o_t,
+                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+                                             GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
+                                             DOT_PRECISION)
         if STORE_O:
             tl.store(o + (row0 * H + i_h) * V + o_tv, (b_o * scale).to(o.dtype.element_ty),
                      mask=m_tv)
 
     if STORE_FINAL_STATE:
-        p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
+        p_ht = ht + (i_p.to(tl.int64) * H + i_h) * (K * V) + o_s
         tl.store(p_ht, b_s1, mask=m_s)
         if K > BK:
             tl.store(p_ht + BK * V, b_s2, mask=m_s & (BK + o_k < K)[:, None])
@@ -690,6 +720,17 @@ def chunk_gk_fwd_h_kernel(
             tl.store(p_ht + 2 * BK * V, b_s3, mask=m_s & (2 * BK + o_k < K)[:, None])
         if K > 3 * BK:
             tl.store(p_ht + 3 * BK * V, b_s4, mask=m_s & (3 * BK + o_k < K)[:, None])
+    if TRANSITION:
+        # Every V tile's program sums the same decays; one stores them.
+        if i_v == 0:
+            p_d = seg_decay + (i_p.to(tl.int64) * H + i_h) * K + o_k
+            tl.store(p_d, b_d1, mask=o_k < K)
+            if K > BK:
+                tl.store(p_d + BK, b_d2, mask=BK + o_k < K)
+            if K > 2 * BK:
+                tl.store(p_d + 2 * BK, b_d3, mask=2 * BK + o_k < K)
+            if K > 3 * BK:
+                tl.store(p_d + 3 * BK, b_d4, mask=3 * BK + o_k < K)
 
 
 def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
@@ -739,45 +780,102 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     return g_cum, A, qg, kg
 
 
+def gk_default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
+                              V: int, gated_operands: bool = True) -> int:
+    """What :func:`chunk_gk_fwd_h` picks for ``segment_chunks=None`` (0: no split): the
+    split's launch model (:func:`fla.ops.common.chunk_fwd_inter.segment_chunks_for`, form
+    "vector") over the sequences of the host token ``offsets`` (None: B of T tokens),
+    with the output and transition programs' tile widths of the tuning defaults."""
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    args = dict(K=K, V=V, GATED_OPERANDS=gated_operands, STORE_H=False, FEW_PROGRAMS=0)
+    output_bv = _h_default(dict(args, STORE_O=True)).meta["BV"]
+    transition_bv = _h_default(dict(args, STORE_O=False)).meta["BV"]
+    # Through the module: tests and scripts/compile_check.py patch it to force a split.
+    return chunk_fwd_inter.segment_chunks_for(chunk_counts(offsets, CHUNK_SIZE), H,
+                                              cdiv(V, output_bv), cdiv(V, transition_bv),
+                                              "vector")
+
+
 def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=None,
                    output_final_state: bool = False, store_h: bool = False,
                    store_o: bool = True, cu_seqlens=None, chunk_offsets=None, NT=None,
-                   exclusive: bool = False, out_dtype=None, gated_operands: bool = False):
+                   exclusive: bool = False, out_dtype=None, gated_operands: bool = False,
+                   offsets: list[int] | None = None, segment_chunks: int | None = None):
     """The state pass: ``(o, h, final_state)``, each None unless asked for.
 
     o ``[B, T, H, V]`` (``out_dtype``, default v's) = scale·[(Q ⊙ e^{γq}) S + A V];
     h ``[B, NT, H, K, V]`` in k's dtype (``[1, NT_total, ...]`` under varlen) the state
     entering each chunk; final_state ``[N, H, K, V]`` float32. ``chunk_offsets`` (the
-    first global chunk of each sequence) and ``NT`` (chunks in all) with ``cu_seqlens``.
+    first global chunk of each sequence) and ``NT`` (chunks in all) with ``cu_seqlens``,
+    ``offsets`` its host copy (``[N + 1]`` ints; without it a packed batch never splits).
     ``gated_operands``: q and k are ``chunk_gk_fwd_A``'s qg and kg (the pass then reads
     only γ's last row of each chunk).
+
+    ``segment_chunks``: cut the sequences into segments of this many 64-token chunks and
+    run the pass as three launches (few long sequences leave most SMs idle otherwise):
+    each segment's transition S ↦ diag(e^d) S + X from a zero state, all in parallel; a
+    serial combine per sequence giving every segment its entering state (and the final
+    state); then the segments' o / h in parallel. None: the launch model's choice
+    (:func:`gk_default_segment_chunks`); 0: never.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if NT is None:
         NT = cdiv(T, CHUNK_SIZE)
+    if segment_chunks is None:
+        segment_chunks = (0 if cu_seqlens is not None and offsets is None else
+                          gk_default_segment_chunks(offsets, B, T, H, K, V, gated_operands))
+    if segment_chunks and cu_seqlens is not None and offsets is None:
+        raise ValueError("segment_chunks with cu_seqlens needs offsets, its host copy")
     o = (torch.empty(B, T, H, V, dtype=out_dtype or v.dtype, device=v.device)
          if store_o else None)
     h = torch.empty(B, NT, H, K, V, dtype=k.dtype, device=k.device) if store_h else None
     ht = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
           if output_final_state else None)
-    chunk_gk_fwd_h_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
-        q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, h0=initial_state, ht=ht,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
-        BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
-        STORE_H=store_h, STORE_O=store_o, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=dot_precision(k.dtype), FEW_PROGRAMS=sequential_grid_fill(N, H, V))
+    common = dict(q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, cu_seqlens=cu_seqlens,
+                  chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
+                  BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
+                  IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
+    kernel = chunk_gk_fwd_h_kernel
+    if not segment_chunks:
+        kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
+            h0=initial_state, ht=ht, STORE_H=store_h, STORE_O=store_o,
+            USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+            FEW_PROGRAMS=sequential_grid_fill(N, H, V), SPLIT=False, TRANSITION=False,
+            **common)
+        return o, h, ht
+
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    segments, seg_offsets = chunk_fwd_inter.segment_tables(offsets, segment_chunks, k.device)
+    P = segments.shape[0]
+    x = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
+    seg_decay = torch.empty(P, H, K, dtype=torch.float32, device=k.device)
+    # The split launches fill the GPU by design: FEW_PROGRAMS 0, as the launch model
+    # assumed when it counted their programs.
+    kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
+        h0=None, ht=x, segments=segments, seg_decay=seg_decay, SPLIT=True, TRANSITION=True,
+        STORE_H=False, STORE_O=False, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
+        FEW_PROGRAMS=0, **dict(common, A=None, h=None, o=None))
+    seg_h0 = chunk_fwd_inter.combine_segment_states(x, seg_decay, "vector", seg_offsets, V,
+                                                    initial_state, ht)
+    kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
+        h0=seg_h0, ht=None, segments=segments, SPLIT=True, TRANSITION=False, STORE_H=store_h,
+        STORE_O=store_o, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, FEW_PROGRAMS=0, **common)
     return o, h, ht
 
 
 def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
                  output_final_state: bool = False, cu_seqlens=None, chunk_indices=None,
                  chunk_offsets=None, exclusive: bool = False, out_dtype=None,
-                 keep_operands: bool = False):
+                 keep_operands: bool = False, offsets: list[int] | None = None,
+                 segment_chunks: int | None = None):
     """The whole forward: ``(o, final_state, g_cum, A, qg, kg)`` (γ and A for the
     backward; the gated operands qg, kg too with ``keep_operands``, else None).
+    ``offsets`` (the host copy of ``cu_seqlens``) and ``segment_chunks`` as in
+    :func:`chunk_gk_fwd_h`.
 
     The scores kernel also writes the gated operands, so that the state pass reads two
     [B, T, H, K] tiles in q's dtype a chunk instead of q, k and two fp32 γ tiles and runs
@@ -789,7 +887,8 @@ def chunk_gk_fwd(q, k, v, g, scale: float, u=None, initial_state=None,
     o, _, ht = chunk_gk_fwd_h(qg, kg, v, g_cum, A, scale, initial_state, output_final_state,
                               store_h=False, store_o=True, cu_seqlens=cu_seqlens,
                               chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
-                              out_dtype=out_dtype, gated_operands=True)
+                              out_dtype=out_dtype, gated_operands=True, offsets=offsets,
+                              segment_chunks=segment_chunks)
     if not keep_operands:
         qg = kg = None
     return o, ht, g_cum, A, qg, kg

@@ -14,6 +14,11 @@ from the saved A); both passes read the forward's gated operands Q ⊙ e^{γq} a
 K ⊙ e^{γ_C − γ}, kept when an input needed a gradient. ``chunk_gk_bwd`` gives dQ, dK and
 ∂L/∂g (the reverse chunk-local cumsum of ∂L/∂γ done in registers).
 
+Both state passes ``chunk_gk_fwd_h`` (the forward's, the backward's recomputation of h)
+split few long sequences into segments where the launch model says the GPU would
+otherwise idle; the host copy of ``cu_seqlens`` read by the input checks travels with the
+stages as ``offsets``, so that choice reads nothing back from the device.
+
 RWKV6 runs the same stages with ``exclusive=True`` (its query reads the state before its
 token: query gate γ − w, strictly causal A) and its bonus u on A's diagonal.
 """
@@ -37,17 +42,20 @@ CHUNK_SIZE = 64
 
 
 def _forward(q, k, v, g, u, initial_state, scale, output_final_state, keep_operands,
-             cu_seqlens, chunk_indices, chunk_offsets, exclusive, out_dtype):
+             cu_seqlens, chunk_indices, chunk_offsets, offsets, exclusive, out_dtype):
     """``(o, final_state, g_cum, A, qg, kg)`` by the GLA forward stages; the gated
-    operands qg, kg (for the backward's state passes) None unless ``keep_operands``."""
+    operands qg, kg (for the backward's state passes) None unless ``keep_operands``.
+    ``offsets``: the host copy of ``cu_seqlens`` (read once by the input checks), with
+    which the state pass may split few long sequences into segments, no device read."""
     return chunk_gk_fwd(q, k, v, g, scale, u=u, initial_state=initial_state,
                         output_final_state=output_final_state, chunk_offsets=chunk_offsets,
                         exclusive=exclusive, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
-                        chunk_indices=chunk_indices, keep_operands=keep_operands)
+                        chunk_indices=chunk_indices, keep_operands=keep_operands,
+                        offsets=offsets)
 
 
 def _backward(q, k, v, g, u, g_cum, A, qg, kg, initial_state, cu_seqlens, chunk_indices,
-              chunk_offsets, do, dht, scale, exclusive):
+              chunk_offsets, offsets, do, dht, scale, exclusive):
     """Gradients (dq, dk, dv, dg, du, dh0) from the forward's saved tensors. With the
     gated operands (a forward run with gradients enabled) both state passes read them
     and form no exponential over a tile; without, they gate q and k themselves."""
@@ -58,7 +66,7 @@ def _backward(q, k, v, g, u, g_cum, A, qg, kg, initial_state, cu_seqlens, chunk_
     _, h, _ = chunk_gk_fwd_h(q_pass, k_pass, v, g_cum, None, scale, initial_state, False,
                              store_h=True, store_o=False, cu_seqlens=cu_seqlens,
                              chunk_offsets=chunk_offsets, NT=NT, exclusive=exclusive,
-                             gated_operands=gated)
+                             gated_operands=gated, offsets=offsets)
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q_pass, k_pass, None, g_cum, initial_state, dht, do, None, scale,
         chunk_size=CHUNK_SIZE, Aqk=A, gq_exclusive=exclusive, gated_operands=gated, **varlen)
@@ -76,34 +84,36 @@ _chunk_fwd = stage_op(
     "chunk_gla_fwd", _forward, label="gla.fwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor? initial_state, "
            "float scale, bool output_final_state, bool keep_operands, Tensor? cu_seqlens, "
-           "Tensor? chunk_indices, Tensor? chunk_offsets, bool exclusive, "
+           "Tensor? chunk_indices, Tensor? chunk_offsets, int[]? offsets, bool exclusive, "
            "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_gla_bwd", _backward, label="gla.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? u, Tensor g_cum, Tensor A, "
            "Tensor? qg, Tensor? kg, Tensor? initial_state, Tensor? cu_seqlens, "
-           "Tensor? chunk_indices, Tensor? chunk_offsets, Tensor do, Tensor? dht, "
-           "float scale, bool exclusive) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "Tensor? chunk_indices, Tensor? chunk_offsets, int[]? offsets, Tensor do, "
+           "Tensor? dht, float scale, bool exclusive) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, u, initial_state, scale, output_final_state, keep_operands, cu_seqlens,
-     chunk_indices, chunk_offsets, exclusive, _) = inputs
+     chunk_indices, chunk_offsets, offsets, exclusive, _) = inputs
     _, _, g_cum, A, qg, kg = output
     ctx.save_for_backward(q, k, v, g, u, g_cum, A, present(qg, keep_operands),
                           present(kg, keep_operands), initial_state, cu_seqlens,
                           chunk_indices, chunk_offsets)
-    ctx.scale, ctx.exclusive = scale, exclusive
+    ctx.scale, ctx.exclusive, ctx.offsets = scale, exclusive, offsets
     ctx.output_final_state = output_final_state
 
 
 def _backward_formula(ctx, do, dht, _dg_cum, _dA, _dqg, _dkg):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
-    dq, dk, dv, dg, du, dh0 = _chunk_bwd(*saved, do, dht, ctx.scale, ctx.exclusive)
+    dq, dk, dv, dg, du, dh0 = _chunk_bwd(*saved, ctx.offsets, do, dht, ctx.scale,
+                                         ctx.exclusive)
     return (dq, dk, dv, dg, present(du, saved[4] is not None),
             present(dh0, saved[9] is not None), None, None, None, None, None, None, None,
-            None)
+            None, None)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -112,11 +122,12 @@ _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 def _backward_args(args, outputs):
     """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
     (q, k, v, g, u, initial_state, scale, output_final_state, keep_operands, cu_seqlens,
-     chunk_indices, chunk_offsets, exclusive, _) = args
+     chunk_indices, chunk_offsets, offsets, exclusive, _) = args
     o, final_state, g_cum, A, qg, kg = outputs
     return (q, k, v, g, u, g_cum, A, present(qg, keep_operands), present(kg, keep_operands),
-            initial_state, cu_seqlens, chunk_indices, chunk_offsets, torch.empty_like(o),
-            final_state if output_final_state else None, scale, exclusive)
+            initial_state, cu_seqlens, chunk_indices, chunk_offsets, offsets,
+            torch.empty_like(o), final_state if output_final_state else None, scale,
+            exclusive)
 
 
 compile_ahead.follow("gla.fwd", "gla.bwd", _backward, _backward_args)
@@ -153,7 +164,8 @@ def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool 
         t is not None and t.requires_grad for t in (x.q, x.k, x.v, x.gk, u, x.initial_state))
     o, final_state, *_ = _chunk_fwd(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
                                     output_final_state, keep_operands, x.cu_seqlens,
-                                    chunk_indices, chunk_offsets, exclusive, out_dtype)
+                                    chunk_indices, chunk_offsets, x.seq_offsets, exclusive,
+                                    out_dtype)
     return o, present(final_state, output_final_state)
 
 
