@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LINE = re.compile(r"^ok .*chunk_gated_delta_rule_fwd_inter_kernel (Config\(.*?\)) \| .*?"
-                  r"(\d+) programs? an SM \((.*?)\).*16-bit scalar loads (\d+)")
+# compile_check labels a build "<kernel> [<tuning key's values>] Config(...)".
+LINE = re.compile(r"^ok .*chunk_gated_delta_rule_fwd_inter_kernel (?:\[.*?\] )?"
+                  r"(Config\(.*?\)) \| .*?(\d+) programs? an SM \((.*?)\)"
+                  r".*16-bit scalar loads (\d+)")
 
 
 def _fused_pass_builds(ops: str) -> list[tuple[str, int, str, int]]:
