@@ -316,20 +316,27 @@ def scores_float64(q, k, g, u, cu, exclusive, chunk=64):
     return A, allowed
 
 
+def chunk_gates(g, cu, exclusive, chunk=64):
+    """For each chunk of the packed sequences ``cu`` over g [T, ...]: its token slice,
+    γ (the chunk-local cumsum) and γq (γ − g with ``exclusive``, else γ)."""
+    bounds = cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c in range(bos, eos, chunk):
+            rows = slice(c, min(c + chunk, eos))
+            gam = g[rows].cumsum(0)
+            yield rows, gam, gam - g[rows] if exclusive else gam
+
+
 def strip_spans(g, cu, exclusive, chunk=64):
     """Each 16-row strip's span as chunk_gk_fwd_A measures it (max over channels of
     γq_f − γ_m and γ_m − γ_e, f / m / e its first / 8th / last valid rows) for g
     [T, H, K]: a tensor [strips, H]."""
     spans = []
-    bounds = cu.tolist()
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for c in range(bos, eos, chunk):
-            L = min(c + chunk, eos) - c
-            gam = g[c:c + L].cumsum(0)
-            gq = gam - g[c:c + L] if exclusive else gam
-            for f in range(0, L, 16):
-                m, e = min(f + 7, L - 1), min(f + 15, L - 1)
-                spans.append(torch.maximum(gq[f] - gam[m], gam[m] - gam[e]).amax(-1))
+    for _, gam, gq in chunk_gates(g, cu, exclusive, chunk):
+        L = gam.shape[0]
+        for f in range(0, L, 16):
+            m, e = min(f + 7, L - 1), min(f + 15, L - 1)
+            spans.append(torch.maximum(gq[f] - gam[m], gam[m] - gam[e]).amax(-1))
     return torch.stack(spans)
 
 
@@ -355,20 +362,15 @@ def backward_level_counts(g, cu, exclusive, limit, chunk=64):
     1 where a one-reference level over the chunk (middle row 31) keeps every exponent
     ≤ limit, 3 where one over each 16-row block does, else 6."""
     counts = []
-    bounds = cu.tolist()
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for c in range(bos, eos, chunk):
-            L = min(c + chunk, eos) - c
-            gam = g[c:c + L].cumsum(0)
-            gq = gam - g[c:c + L] if exclusive else gam
-            rows = torch.arange(L)
+    for _, gam, gq in chunk_gates(g, cu, exclusive, chunk):
+        L = gam.shape[0]
+        rows = torch.arange(L)
 
-            def span(b):
-                gm = gam[torch.clamp((rows // b) * b + b // 2 - 1, max=L - 1)]
-                return torch.maximum(gm - gam, gq - gm).amax(dim=(0, 2))
+        def span(b):
+            gm = gam[torch.clamp((rows // b) * b + b // 2 - 1, max=L - 1)]
+            return torch.maximum(gm - gam, gq - gm).amax(dim=(0, 2))
 
-            counts.append(torch.where(span(64) <= limit, 1,
-                                      torch.where(span(16) <= limit, 3, 6)))
+        counts.append(torch.where(span(64) <= limit, 1, torch.where(span(16) <= limit, 3, 6)))
     return torch.stack(counts)
 
 
@@ -376,14 +378,9 @@ def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):
     """q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} ([T, H, K]) chunk by chunk, γ chunk-local, γ_C its
     last row, γq = γ (γ − g with ``exclusive``)."""
     qg, kg = torch.empty_like(q), torch.empty_like(k)
-    bounds = cu.tolist()
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for c in range(bos, eos, chunk):
-            e = min(c + chunk, eos)
-            gam = g[c:e].cumsum(0)
-            gq = gam - g[c:e] if exclusive else gam
-            qg[c:e] = q[c:e] * gq.exp()
-            kg[c:e] = k[c:e] * (gam[-1:] - gam).exp()
+    for rows, gam, gq in chunk_gates(g, cu, exclusive, chunk):
+        qg[rows] = q[rows] * gq.exp()
+        kg[rows] = k[rows] * (gam[-1:] - gam).exp()
     return qg, kg
 
 
