@@ -347,12 +347,11 @@ def score_forms(g, cu, exclusive, limit, chunk=64):
     a tensor [chunks, H]."""
     chunk_level = backward_level_counts(g, cu, exclusive, limit, chunk) == 1
     strips = strip_spans(g, cu, exclusive, chunk)
-    per_chunk, bounds, i = [], cu.tolist(), 0
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for c in range(bos, eos, chunk):
-            n = -(-(min(c + chunk, eos) - c) // 16)
-            per_chunk.append((strips[i:i + n] <= limit).all(0))
-            i += n
+    per_chunk, i = [], 0
+    for rows, _, _ in chunk_gates(g, cu, exclusive, chunk):
+        n = -(-(rows.stop - rows.start) // 16)
+        per_chunk.append((strips[i:i + n] <= limit).all(0))
+        i += n
     strip_level = torch.stack(per_chunk)
     return torch.where(chunk_level, 0, torch.where(strip_level, 1, 2))
 
