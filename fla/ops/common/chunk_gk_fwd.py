@@ -529,7 +529,8 @@ def _h_default(args) -> Config:
         # which runs two programs an SM at 4 warps. Up to K = 128 on a thin grid
         # (FEW_PROGRAMS from the launcher, fla.utils.grid.grid_fill), as the gated delta
         # rule's pass: a third stage, and 32-column tiles where even those leave each SM
-        # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). Not timed here.
+        # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). This pass there,
+        # H100 2026-11-26: 0.444 ms against 0.576.
         few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
         width = 32 if few == 2 or args["K"] > 128 else 64
         return Config(BV=tile_width(args["V"], width), num_warps=4,
