@@ -342,18 +342,19 @@ def strip_spans(g, cu, exclusive, chunk=64):
 
 def score_forms(g, cu, exclusive, limit, chunk=64):
     """The form chunk_gk_fwd_A takes for each chunk and head of g [T, H, K] (bf16 or
-    fp32 inputs): 0 where one reference row (31) for the whole chunk keeps every exponent
-    ≤ limit, else 1 where each 16-row strip's own reference does, else 2 (the halving);
+    fp32 inputs): 0 where half the chunk's range of γ in every channel (from its largest
+    γq to its smallest γ: the chunk form's largest exponent) is ≤ limit, else 1 where
+    each 16-row strip's own reference keeps its exponents ≤ limit, else 2 (the halving);
     a tensor [chunks, H]."""
-    chunk_level = backward_level_counts(g, cu, exclusive, limit, chunk) == 1
     strips = strip_spans(g, cu, exclusive, chunk)
-    per_chunk, i = [], 0
-    for rows, _, _ in chunk_gates(g, cu, exclusive, chunk):
+    forms, i = [], 0
+    for rows, gam, gq in chunk_gates(g, cu, exclusive, chunk):
         n = -(-(rows.stop - rows.start) // 16)
-        per_chunk.append((strips[i:i + n] <= limit).all(0))
+        whole = ((gq.amax(0) - gam.amin(0)) / 2).amax(-1) <= limit
+        forms.append(torch.where(whole, 0, torch.where((strips[i:i + n] <= limit).all(0),
+                                                       1, 2)))
         i += n
-    strip_level = torch.stack(per_chunk)
-    return torch.where(chunk_level, 0, torch.where(strip_level, 1, 2))
+    return torch.stack(forms)
 
 
 def backward_level_counts(g, cu, exclusive, limit, chunk=64):
@@ -391,9 +392,9 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
     of the K tile); entries above the diagonal and past the chunk's end exactly zero;
     the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too. Head 0's mild
-    gates keep its chunks' spans through row 31 within ONE_REFERENCE_MAX_SPAN (the
-    chunk form); head 1's, down to −5 a step, keep only every strip's span within it
-    (the strips' form); ``steep`` makes head 2's 4x steeper still, so that strips on
+    gates keep half its chunks' range of γ within ONE_REFERENCE_MAX_SPAN (the chunk
+    form); head 1's, down to −7 a step, keep only every strip's span within it (the
+    strips' form); ``steep`` makes head 2's 4x steeper still, so that strips on
     both sides of the limit meet (the halving for the steep ones)."""
     from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN, chunk_gk_fwd_A
     from fla.ops.utils.index import prepare_chunk_indices
@@ -403,6 +404,7 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     x = make_inputs(gen, B=1, T=T, H=H, K=K, V=16, h0=False)
     exclusive = variant == "rwkv6"
     x["g"][..., 0, :] *= 0.25
+    x["g"][..., 1, :] *= 1.4
     if steep:
         x["g"][..., 2, :] *= 4
     limit = float(ONE_REFERENCE_MAX_SPAN.value)
@@ -448,6 +450,7 @@ def test_forward_without_gradients_matches_forward_with(variant, device, seed):
         x = make_inputs(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=5)
         fn, gate = chunk_gla, "g"
     x[gate][..., 0, :] *= 0.25
+    x[gate][..., 1, :] *= 1.4
     x[gate][..., 2, :] *= 4
     forms = score_forms(x[gate][0], cu, variant == "rwkv6",
                         float(ONE_REFERENCE_MAX_SPAN.value))

@@ -25,16 +25,16 @@ per sequence (``chunk_state_combine_kernel``, form "vector") giving each segment
 entering state, then o (or h) of all segments in parallel: the same kernel body each time.
 
 Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
-is built as tensor-core dots over factor-scaled q and k, with the identity (m a
-reference row)::
+is built as tensor-core dots over factor-scaled q and k, with the identity (s_k any
+shift of channel k, a reference row's γ_mk below)::
 
-    q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − γ_mk)] · [k_jk exp(γ_mk − γ_jk)]
+    q_ik k_jk exp(γq_ik − γ_jk) = [q_ik exp(γq_ik − s_k)] · [k_jk exp(s_k − γ_jk)]
 
 in the cheapest of three forms whose exponents stay ≤ ``ONE_REFERENCE_MAX_SPAN`` (60):
 
-- the chunk form (``_gk_fwd_A_chunk_form``, m = 31): the whole chunk in one
-  [64, K] x [K, 64] product; its exponents are positive only for queries before m and
-  keys after it, by at most the chunk's span through m (γ over ~32 steps: mild gates);
+- the chunk form (``_gk_fwd_A_chunk_form``): the whole chunk in one [64, K] x [K, 64]
+  product, s_k the midpoint of the chunk's range of γ in channel k, so that its
+  exponents are at most half that range (the span; mild gates, ≤ ~1.9 a step);
 - one reference per 16-row strip (``_gk_fwd_A_strip_one_ref``, m = 16·S + 7): every key
   up to the strip's end meets the strip's queries in one [16, K] x [K, 16·S + 16]
   product, exponents bounded by the strip's span (γ over 7-8 steps: 40 at −5 a step);
@@ -110,10 +110,8 @@ def _A_default(args) -> Config:
     # slower: the strips' [16, BK] tiles spread thin over 256 threads). One stage for
     # the one-reference strips (1.055 / 0.420 ms against 1.062 / 0.485 at two); the
     # halving (fp16 inputs) writing the gated operands, two (1.47 against 1.76 ms).
-    # The chunk form (not timed yet): offline sm_90, Triton 3.6, K = 128, its three
-    # [32, 32] accumulators and both halves' q, k, g, γ tiles take 255 registers at
-    # BK = 64; at BK = 32, 186 on 4 warps with two stages (two programs an SM, the next
-    # K tile's loads in flight) or 144 on 8 (one program an SM).
+    # The chunk form (not timed yet): [64, BK] fp32 tiles of g, γ, q and k and a
+    # [64, 64] accumulator; BK = 32 keeps them near 128 registers on 4 warps.
     if args["FORM"] == CHUNK_FORM.value:
         return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=2)
     two = args["GATE_OPERANDS"] and args["FORM"] == HALVING_FORM.value
@@ -273,105 +271,66 @@ def _gk_store_gamma(g_b, gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _gk_half_factors(q_b, k_b, qg_b, kg_b, u_h, o_r, m_r, o_k, m_k, b_g, b_gq, b_gm, b_gl,
-                     HK, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-                     GATE_OPERANDS: tl.constexpr):
-    """One 32-row half ``o_r`` of the chunk in one K tile for the chunk form, given its γ
-    and γq [32, BK] and the rows m (``b_gm``) and C (``b_gl``, the chunk's last valid
-    row) of γ [BK]: ``(q e^{γq − γ_m}, k e^{γ_m − γ}, largest exponent, diagonal share)``,
-    the factors in k's dtype with their exponents capped at ONE_REFERENCE_MAX_SPAN (a
-    chunk whose span passes it has its products dropped: no inf is formed on the way);
-    stores the half's gated operands on the way (``GATE_OPERANDS``)."""
-    dt = k_b.dtype.element_ty
-    m_rk = m_r[:, None] & m_k[None, :]
-    o_rk = o_r[:, None] * HK + o_k[None, :]
-    b_q = tl.load(q_b + o_rk, mask=m_rk, other=0.).to(tl.float32)
-    b_k = tl.load(k_b + o_rk, mask=m_rk, other=0.).to(tl.float32)
-    if GATE_OPERANDS:
-        _gk_store_gated_operands(b_q, b_k, b_g, b_gq, b_gl, qg_b, kg_b, o_rk, m_rk)
-    b_eq = tl.where(m_rk, b_gq - b_gm[None, :], 0.)
-    b_ek = tl.where(m_rk, b_gm[None, :] - b_g, 0.)
-    span = tl.max(tl.max(tl.maximum(b_eq, b_ek), axis=1), axis=0)
-    b_qx = (b_q * tl.exp(tl.minimum(b_eq, ONE_REFERENCE_MAX_SPAN))).to(dt)
-    b_kx = (b_k * tl.exp(tl.minimum(b_ek, ONE_REFERENCE_MAX_SPAN))).to(dt)
-    return b_qx, b_kx, span, _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
-
-
-@triton.jit
 def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl.constexpr,
                          BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
                          GATE_OPERANDS: tl.constexpr, STORE_GAMMA: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-    """The whole chunk at once, returning its span: per K tile γ = cumsum(g) in
-    registers (stored; without ``STORE_GAMMA`` only its row at the chunk's last valid
-    token, all the state pass reads; the gated operands under ``GATE_OPERANDS``) and the
-    tile's
-    share of A through one reference row for every pair, m = 31 (the last row of the
-    first half, clamped to the chunk's last): A_ij = [q_i e^{γq_i − γ_m}] · [k_j e^{γ_m −
-    γ_j}] as three [32, BK] x [BK, 32] products (first-half queries with first-half keys,
-    second-half queries with either half's keys; the fourth quarter is above the
-    diagonal). Only first-half queries and second-half keys have positive exponents, and
-    they never meet: no product exceeds its own factors. The span is the largest exponent
-    formed; A is stored only where it is ≤ ONE_REFERENCE_MAX_SPAN (what an underflowing
-    factor then loses is below e^(span − 87), the strips' argument), else the caller
-    leaves the chunk to the strips. The diagonal is formed without a gate, as there."""
-    o_1 = tl.arange(0, 32)
-    o_2 = 32 + o_1
-    m_1, m_2 = o_1 < L, o_2 < L
-    b_11 = tl.zeros([32, 32], dtype=tl.float32)
-    b_21 = tl.zeros([32, 32], dtype=tl.float32)
-    b_22 = tl.zeros([32, 32], dtype=tl.float32)
-    b_d1 = tl.zeros([32], dtype=tl.float32)
-    b_d2 = tl.zeros([32], dtype=tl.float32)
+    """The whole chunk in one [64, K] x [K, 64] product, returning its span. Per K tile
+    γ = cumsum(g) in registers (stored; without ``STORE_GAMMA`` only its row at the
+    chunk's last valid token, all the state pass reads; the gated operands under
+    ``GATE_OPERANDS``), then the tile's share of A through a per-channel shift s_k in
+    place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
+    s_k the midpoint of the chunk's largest γq_k and smallest γ_k, so that no factor's
+    exponent exceeds half the chunk's range of γ in its channel (the span: ~26-38 for
+    logsigmoid(randn) gates, against ~52-76 through the last row). Pairs above the
+    diagonal may form larger products (even inf); they are masked away. A is stored
+    only where the span is ≤ ONE_REFERENCE_MAX_SPAN (what an underflowing factor then
+    loses is below e^(span − 87), the strips' argument), else the caller leaves the
+    chunk to the strips; exponents are capped at the limit so that a refused chunk forms
+    no inf factor. The diagonal is formed without a gate, as in the strips."""
+    dt = k_b.dtype.element_ty
+    o_t = tl.arange(0, 64)
+    m_t = o_t < L
+    b_a = tl.zeros([64, 64], dtype=tl.float32)
+    b_d = tl.zeros([64], dtype=tl.float32)
     span = 0.
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        m_1k, m_2k = m_1[:, None] & m_k[None, :], m_2[:, None] & m_k[None, :]
-        o_1k = o_1[:, None] * HK + o_k[None, :]
-        o_2k = o_1k + 32 * HK
-        # Rows past the chunk's end load g = 0: the halves' sums are γ of row m (31,
-        # clamped to the last valid row) and of the chunk's last valid row.
-        b_gi1 = tl.load(g_b + o_1k, mask=m_1k, other=0.).to(tl.float32)
-        b_gi2 = tl.load(g_b + o_2k, mask=m_2k, other=0.).to(tl.float32)
-        b_gm = tl.sum(b_gi1, axis=0)
-        b_gl = b_gm + tl.sum(b_gi2, axis=0)
-        b_g1 = tl.cumsum(b_gi1, axis=0)
-        b_g2 = b_gm[None, :] + tl.cumsum(b_gi2, axis=0)
+        m_tk = m_t[:, None] & m_k[None, :]
+        o_tk = o_t[:, None] * HK + o_k[None, :]
+        # Rows past the chunk's end load g = 0: the column sums are γ at the last valid row.
+        b_gi = tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_g = tl.cumsum(b_gi, axis=0)
+        b_gl = tl.sum(b_gi, axis=0)
         if STORE_GAMMA:
-            tl.store(gc_b + o_1k, b_g1, mask=m_1k)
-            tl.store(gc_b + o_2k, b_g2, mask=m_2k)
+            tl.store(gc_b + o_tk, b_g, mask=m_tk)
         else:
             tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
         if EXCLUSIVE:
-            b_gq1, b_gq2 = b_g1 - b_gi1, b_g2 - b_gi2
+            b_gq = b_g - b_gi
         else:
-            b_gq1, b_gq2 = b_g1, b_g2
-        b_qx1, b_kx1, span1, b_dk1 = _gk_half_factors(
-            q_b, k_b, qg_b, kg_b, u_h, o_1, m_1, o_k, m_k, b_g1, b_gq1, b_gm, b_gl, HK,
-            EXCLUSIVE, USE_U, GATE_OPERANDS)
-        b_qx2, b_kx2, span2, b_dk2 = _gk_half_factors(
-            q_b, k_b, qg_b, kg_b, u_h, o_2, m_2, o_k, m_k, b_g2, b_gq2, b_gm, b_gl, HK,
-            EXCLUSIVE, USE_U, GATE_OPERANDS)
-        span = tl.maximum(span, tl.maximum(span1, span2))
-        b_d1 += b_dk1
-        b_d2 += b_dk2
-        b_kx1 = tl.trans(b_kx1)
-        b_11 = tl.dot(b_qx1, b_kx1, b_11, input_precision=DOT_PRECISION)
-        b_21 = tl.dot(b_qx2, b_kx1, b_21, input_precision=DOT_PRECISION)
-        b_22 = tl.dot(b_qx2, tl.trans(b_kx2), b_22, input_precision=DOT_PRECISION)
+            b_gq = b_g
+        b_hi = tl.max(tl.where(m_tk, b_gq, float("-inf")), axis=0)
+        b_lo = tl.min(tl.where(m_tk, b_g, float("inf")), axis=0)
+        b_half = tl.where(m_k, 0.5 * (b_hi - b_lo), 0.)
+        b_s = tl.where(m_k, 0.5 * (b_hi + b_lo), 0.)
+        span = tl.maximum(span, tl.max(b_half, axis=0))
+        b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
+        if GATE_OPERANDS:
+            _gk_store_gated_operands(b_q, b_k, b_g, b_gq, b_gl, qg_b, kg_b, o_tk, m_tk)
+        b_qx = b_q * tl.exp(tl.minimum(tl.where(m_tk, b_gq - b_s[None, :], 0.),
+                                       ONE_REFERENCE_MAX_SPAN))
+        b_kx = b_k * tl.exp(tl.minimum(tl.where(m_tk, b_s[None, :] - b_g, 0.),
+                                       ONE_REFERENCE_MAX_SPAN))
+        b_a = tl.dot(b_qx.to(dt), tl.trans(b_kx.to(dt)), b_a, input_precision=DOT_PRECISION)
+        b_d += _gk_diagonal(b_q, b_k, u_h, o_k, m_k, EXCLUSIVE, USE_U)
     if span <= ONE_REFERENCE_MAX_SPAN:
-        ot = A_b.dtype.element_ty
-        lower = o_1[None, :] < o_1[:, None]
-        diagonal = o_1[None, :] == o_1[:, None]
-        b_11 = tl.where(lower, b_11, 0.) + tl.where(diagonal, b_d1[:, None], 0.)
-        b_22 = tl.where(lower, b_22, 0.) + tl.where(diagonal, b_d2[:, None], 0.)
-        p_1 = A_b + o_1[:, None] * RS + o_1[None, :]
-        p_2 = p_1 + 32 * RS
-        tl.store(p_1, b_11.to(ot), mask=m_1[:, None])
-        tl.store(p_1 + 32, tl.zeros([32, 32], dtype=ot), mask=m_1[:, None])
-        tl.store(p_2, b_21.to(ot), mask=m_2[:, None])
-        tl.store(p_2 + 32, b_22.to(ot), mask=m_2[:, None])
+        b_a = tl.where(o_t[None, :] < o_t[:, None], b_a, 0.)
+        b_a += tl.where(o_t[None, :] == o_t[:, None], b_d[:, None], 0.)
+        tl.store(A_b + o_t[:, None] * RS + o_t[None, :], b_a.to(A_b.dtype.element_ty),
+                 mask=m_t[:, None])
     return span
 
 
