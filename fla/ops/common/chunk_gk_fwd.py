@@ -273,11 +273,11 @@ def _gk_store_gamma(g_b, gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl.constexpr,
                          BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-                         GATE_OPERANDS: tl.constexpr, STORE_GAMMA: tl.constexpr,
+                         GATE_OPERANDS: tl.constexpr, STORE_LAST_ROW: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     """The whole chunk in one [64, K] x [K, 64] product, returning its span. Per K tile
-    γ = cumsum(g) in registers (stored; without ``STORE_GAMMA`` only its row at the
-    chunk's last valid token, all the state pass reads; the gated operands under
+    γ = cumsum(g) in registers (with ``STORE_LAST_ROW`` its row at the chunk's last valid
+    token stored, all the state pass reads; the gated operands under
     ``GATE_OPERANDS``), then the tile's share of A through a per-channel shift s_k in
     place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
     s_k the midpoint of the chunk's largest γq_k and smallest γ_k, so that no factor's
@@ -303,9 +303,7 @@ def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl
         b_gi = tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         b_g = tl.cumsum(b_gi, axis=0)
         b_gl = tl.sum(b_gi, axis=0)
-        if STORE_GAMMA:
-            tl.store(gc_b + o_tk, b_g, mask=m_tk)
-        else:
+        if STORE_LAST_ROW:
             tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
         if EXCLUSIVE:
             b_gq = b_g - b_gi
@@ -447,8 +445,12 @@ def chunk_gk_fwd_A_kernel(
         qg_b, kg_b = qg, kg
 
     if FORM == CHUNK_FORM:
+        if STORE_GAMMA:
+            # A pass of its own: γ's store inside the chunk form's loop held 176 registers
+            # (two programs an SM) against 138 (H200, 1x8192x96x128: 1.08 ms against 0.69).
+            _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
         span = _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK,
-                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, STORE_GAMMA,
+                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, not STORE_GAMMA,
                                     DOT_PRECISION)
         needed = tl.zeros([], dtype=tl.int32)
         if span > ONE_REFERENCE_MAX_SPAN:
