@@ -110,10 +110,12 @@ def _A_default(args) -> Config:
     # slower: the strips' [16, BK] tiles spread thin over 256 threads). One stage for
     # the one-reference strips (1.055 / 0.420 ms against 1.062 / 0.485 at two); the
     # halving (fp16 inputs) writing the gated operands, two (1.47 against 1.76 ms).
-    # The chunk form (not timed yet): [64, BK] fp32 tiles of g, γ, q and k and a
-    # [64, 64] accumulator; BK = 32 keeps them near 128 registers on 4 warps.
+    # The chunk form, its space timed (H100, K = 128, two stages the fastest for both):
+    # GLA BK = 32 0.701 ms (BK = 64 0.713; 8 warps 1.07-1.61), RWKV6's exclusive scores
+    # BK = 64 0.245 (BK = 32 0.312).
     if args["FORM"] == CHUNK_FORM.value:
-        return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=2)
+        width = 64 if args["EXCLUSIVE"] else 32
+        return Config(BK=tile_width(args["K"], width), num_warps=4, num_stages=2)
     two = args["GATE_OPERANDS"] and args["FORM"] == HALVING_FORM.value
     return Config(BK=tile_width(args["K"], 64), num_warps=4, num_stages=2 if two else 1)
 
@@ -273,12 +275,10 @@ def _gk_store_gamma(g_b, gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl.constexpr,
                          BK: tl.constexpr, RS, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-                         GATE_OPERANDS: tl.constexpr, STORE_LAST_ROW: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         GATE_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The whole chunk in one [64, K] x [K, 64] product, returning its span. Per K tile
-    γ = cumsum(g) in registers (with ``STORE_LAST_ROW`` its row at the chunk's last valid
-    token stored, all the state pass reads; the gated operands under
-    ``GATE_OPERANDS``), then the tile's share of A through a per-channel shift s_k in
+    γ = cumsum(g) in registers (only its row at the chunk's last valid token stored, all
+    the state pass reads; the gated operands under ``GATE_OPERANDS``), then the tile's share of A through a per-channel shift s_k in
     place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
     s_k the midpoint of the chunk's largest γq_k and smallest γ_k, so that no factor's
     exponent exceeds half the chunk's range of γ in its channel (the span: ~26-38 for
@@ -303,8 +303,7 @@ def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl
         b_gi = tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         b_g = tl.cumsum(b_gi, axis=0)
         b_gl = tl.sum(b_gi, axis=0)
-        if STORE_LAST_ROW:
-            tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
+        tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
         if EXCLUSIVE:
             b_gq = b_g - b_gi
         else:
@@ -394,15 +393,15 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "SELECT"],
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "FIRST"],
        default=_A_default,
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gk_fwd_A_kernel(
     q, k, g, u, g_cum, A, qg, kg, form, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
-    GATE_OPERANDS: tl.constexpr, FORM: tl.constexpr, SELECT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_GAMMA: tl.constexpr = True,
+    GATE_OPERANDS: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
@@ -410,16 +409,14 @@ def chunk_gk_fwd_A_kernel(
     state pass's gated operands (out, q's dtype, ``[B, T, H, K]``): qg = q ⊙ e^{γq} and
     kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row.
 
-    ``FORM``: CHUNK_FORM (one reference row for the whole chunk), STRIP_FORM (one a
-    16-row strip) or HALVING_FORM. With ``SELECT`` three launches share the work through
-    ``form`` ``[B·H, NT]`` int8: the chunk-form launch runs first for every chunk, writes
-    γ (and the gated operands), A where the chunk's span allows, and the cheapest form
-    that fits each chunk (the strips' spans are measured only for chunks the chunk form
-    could not take); each later launch forms only the chunks marked with its form.
-    Without ``SELECT`` (fp16 inputs, ``HALVING_FORM``) one launch does everything.
-    Without ``STORE_GAMMA`` (a forward that feeds no backward) the chunk-form launch
-    writes γ only at each chunk's last valid row, except for the chunks it leaves to a
-    later launch."""
+    ``FORM``: CHUNK_FORM (the whole chunk through a per-channel shift), STRIP_FORM (one
+    reference row a 16-row strip) or HALVING_FORM. Launches share the work through
+    ``form`` ``[B·H, NT]`` int8 (the form each chunk still needs, 0 once formed): the
+    ``FIRST`` one forms γ and every chunk its form can take and marks the others; each
+    later launch forms the chunks marked with its form. The chunk form runs only for a
+    forward that feeds no backward: it writes γ only at each chunk's last valid row (all
+    the state pass reads), and in full for the chunks it leaves to a later launch. A
+    first halving launch (fp16 inputs) forms every chunk."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     p_form = form + i_bh * tl.num_programs(0) + i_t
@@ -427,8 +424,6 @@ def chunk_gk_fwd_A_kernel(
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     row0 = bos + i_t * BT
     L = tl.minimum(T - i_t * BT, BT)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < L
     HK = H * K
     base = (row0 * H + i_h) * K
     # Scalar int64 bases, int32 tile offsets: 64-bit address tiles cost two registers
@@ -445,43 +440,52 @@ def chunk_gk_fwd_A_kernel(
         qg_b, kg_b = qg, kg
 
     if FORM == CHUNK_FORM:
-        if STORE_GAMMA:
-            # A pass of its own: γ's store inside the chunk form's loop held 176 registers
-            # (two programs an SM) against 138 (H200, 1x8192x96x128: 1.08 ms against 0.69).
-            _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
         span = _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK,
-                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, not STORE_GAMMA,
-                                    DOT_PRECISION)
+                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
         needed = tl.zeros([], dtype=tl.int32)
         if span > ONE_REFERENCE_MAX_SPAN:
-            if not STORE_GAMMA:
-                # The later launches read rows of γ: this (rare) chunk's are written.
-                _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
-            # The strips read back the γ rows every thread of the program stored.
-            tl.debug_barrier()
-            strip = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
-                                          gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
-                               tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
-                                          gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
-            needed = tl.where(strip <= ONE_REFERENCE_MAX_SPAN, 1, 2)
-        tl.store(p_form, needed.to(tl.int8))
-    else:
-        if SELECT:
-            run = tl.load(p_form) == FORM
-        else:
-            # γ written first: the strips read rows of it back.
+            # The later launches read rows of γ: this (rare) chunk's are written, and
+            # read back (every thread of the program stored some) for the strips' spans.
             _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
             tl.debug_barrier()
+            needed = _gk_strips_form(gc_b, L, HK, K, BK, EXCLUSIVE)
+        tl.store(p_form, needed.to(tl.int8))
+        run = False
+    elif FIRST:
+        # γ written first: the strips read rows of it back.
+        _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
+        tl.debug_barrier()
+        if FORM == STRIP_FORM:
+            needed = _gk_strips_form(gc_b, L, HK, K, BK, EXCLUSIVE)
+            tl.store(p_form, tl.where(needed == STRIP_FORM, 0, needed).to(tl.int8))
+            run = needed == STRIP_FORM
+        else:
             run = True
-        if run:
-            for s in tl.static_range(4):
-                if FORM == STRIP_FORM:
-                    _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s,
-                                            K, BK, H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
-                                            DOT_PRECISION)
-                else:
-                    _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                                    H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+    else:
+        # One byte read instead of the spans' 24 rows of γ: this launch's programs
+        # mostly find nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the spans
+        # again).
+        run = tl.load(p_form) == FORM
+    if run:
+        for s in tl.static_range(4):
+            if FORM == STRIP_FORM:
+                _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                                        H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
+                                        DOT_PRECISION)
+            else:
+                _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
+                                H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+
+
+@triton.jit
+def _gk_strips_form(gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr):
+    """The strips' form a chunk needs (γ stored): STRIP_FORM where every strip's span is
+    ≤ ONE_REFERENCE_MAX_SPAN, else HALVING_FORM."""
+    span = tl.maximum(tl.maximum(gk_strip_span(gc_b, L, HK, 0, K, BK, EXCLUSIVE),
+                                 gk_strip_span(gc_b, L, HK, 1, K, BK, EXCLUSIVE)),
+                      tl.maximum(gk_strip_span(gc_b, L, HK, 2, K, BK, EXCLUSIVE),
+                                 gk_strip_span(gc_b, L, HK, 3, K, BK, EXCLUSIVE)))
+    return tl.where(span <= ONE_REFERENCE_MAX_SPAN, STRIP_FORM, HALVING_FORM)
 
 
 def _h_default(args) -> Config:
@@ -721,24 +725,27 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
-    # fp16 inputs take the halving everywhere (their range cannot hold one reference's
-    # factors); other inputs three launches, each compiled with one form (H100,
-    # 1x8192x96x128 bf16: one kernel choosing the strips' form at run time held the
-    # registers of both, 1.06 ms against 0.86 for the one-reference strips alone). The
-    # chunk-form launch writes the gated operands of every chunk; the later two only A.
+    # One launch a form, each compiled with that form only (H100, 1x8192x96x128 bf16: one
+    # kernel choosing the strips' form at run time held the registers of both, 1.06 ms
+    # against 0.86 for the one-reference strips alone). fp16 inputs take the halving
+    # everywhere (their range cannot hold one reference's factors). A forward that feeds
+    # a backward writes γ in full and starts from the strips: the chunk form storing γ
+    # too took 0.98-1.12 ms there against 0.87 (H100 / H200), without it 0.70.
     if k.dtype == torch.float16:
-        launches = ((HALVING_FORM, False, gate_operands),)
+        launches = ((HALVING_FORM, True, gate_operands),)
+    elif store_gamma:
+        launches = ((STRIP_FORM, True, gate_operands), (HALVING_FORM, False, gate_operands))
     else:
-        launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, True, False),
-                    (HALVING_FORM, True, False))
+        launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, False, False),
+                    (HALVING_FORM, False, False))
     form = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
-    for kernel_form, select, operands in launches:
+    for kernel_form, first, operands in launches:
         chunk_gk_fwd_A_kernel[(NT, B * H)](
             q=q, k=k, g=g, u=u, g_cum=g_cum, A=A, qg=qg, kg=kg, form=form,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
             EXCLUSIVE=exclusive, USE_U=u is not None, GATE_OPERANDS=operands,
-            FORM=kernel_form.value, SELECT=select, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(k.dtype), STORE_GAMMA=store_gamma or not select)
+            FORM=kernel_form.value, FIRST=first, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=dot_precision(k.dtype))
     return g_cum, A, qg, kg
 
 
