@@ -74,7 +74,9 @@ def test_chunk_split_into_segments(exclusive, case, device, seed, monkeypatch):
         test_rwkv6.compare(x, dtype, device, fn=chunk_rwkv6, gen=gen, **kwargs)
     else:
         test_gla.compare(x, dtype, device, fn=chunk_gla, gen=gen, **kwargs)
-    assert forms == ["vector", "vector"], forms   # the forward's pass, the backward's
+    # The forward's pass and the backward's at least (on a GPU the first call's
+    # compile-ahead of the backward's kernels asks the launch model too).
+    assert len(forms) >= 2 and set(forms) == {"vector"}, forms
 
 
 def states_loop(k, v, g, h0, offsets):
