@@ -138,7 +138,10 @@ class Timer:
 
     def __init__(self, device: str, quick: bool):
         self.device = device
-        self.warmup, self.rep = (10, 40) if quick else (50, 200)
+        # Quick runs warm up 100 ms too: after a cold start's seconds of compiling the GPU
+        # idles, and 10 ms of warm-up left some medians 1.2-2.6x the settled ones (H100,
+        # 2026-11-26: chunk_gla 4x2048x16x128 fwd+bwd 0.99-1.38 ms against 0.85).
+        self.warmup, self.rep = (100, 40) if quick else (100, 200)
         self.cpu_runs = 3 if quick else 5
 
     def sync(self) -> None:
