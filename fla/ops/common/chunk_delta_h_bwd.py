@@ -43,9 +43,10 @@ __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_ker
 def _dhu_default(args) -> Config:
     # dS lives in registers as up to four [64, BV] fp32 tiles: with K = 256 and 4 warps,
     # BV = 32 keeps it at 64 registers per thread and leaves room for the operands.
-    # With the vector gate, one stage: its two-stage kernel needs 156 KB of shared memory
-    # at K = 128 (one program an SM); H100, GLA fwd+bwd at 1x8192x96x128 9.47-9.61 ->
-    # 9.14-9.29 ms (2026-11-26; BV = 32 was slower at one or two stages).
+    # With the vector gate staging fp32 γ tiles (no gated operands), one stage: its
+    # two-stage kernel needs 156 KB of shared memory at K = 128 (one program an SM); H100,
+    # GLA fwd+bwd at 1x8192x96x128 9.47-9.61 -> 9.14-9.29 ms (2026-11-26; BV = 32 was
+    # slower at one or two stages).
     # Without it, up to K = 128 (H100, Triton 3.6, bf16, 2026-11-26): with W three
     # stages, 0.69 ms against 0.86 at two (1x8192x96x128), 0.35 against 0.47
     # (1x8192x64x128); without W two where SMs hold two programs (0.55 against 0.69 at
@@ -54,18 +55,24 @@ def _dhu_default(args) -> Config:
     # programs leave each SM one (FEW_PROGRAMS = 2), BV = 32: 2x16384x16x128 0.53 ms
     # against 0.79 (with W) and 0.53 against 0.67 (without, 8 warps; 0.61 at 4).
     # Above K = 128 and for fp32 operands, the fewest stages its space holds.
-    # The vector gate on the forward's gated operands (no γ tile staged) on a thin grid:
-    # as without the gate, 32-column tiles where even those leave each SM one program,
-    # and a third stage (one stage elsewhere, as measured above). H100, 2026-11-26, GLA
-    # 2x16384x16x128: 1.232 ms against 1.236 before: no gain, no loss; the pass there is
-    # bound by its chain of 256 chunks, which only a split would shorten.
+    # The vector gate on the forward's gated operands (no γ tile staged), K <= 128: on a
+    # thin grid as without the gate, 32-column tiles where even those leave each SM one
+    # program, and a third stage; elsewhere two stages. H100, 2026-11-26, each space
+    # timed: GLA 2x16384x16x128 0.58 ms against 1.24 for the one-stage BV = 64 it ran
+    # before (the launcher passed no FEW_PROGRAMS with the gate, so this rule never
+    # fired), 1x8192x96x128 0.57 against ~0.80.
     few = args.get("FEW_PROGRAMS", 0)
-    if (args.get("USE_GK") and args.get("GATED_OPERANDS") and few and args["K"] <= 128
+    if (args.get("USE_GK") and args.get("GATED_OPERANDS") and args["K"] <= 128
             and sixteen_bit(args)):
-        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
-                      num_stages=3)
+        if few:
+            return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
+                          num_stages=3)
+        return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=2)
     if args.get("USE_GK") or args["K"] > 128 or not sixteen_bit(args):
-        return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32), num_warps=4,
+        # At K = 256 the vector gate on the gated operands takes 64-column tiles too (GLA
+        # 8x2048x32x256, H100, its space timed: 1.47 ms against 2.16 at 32).
+        wide = args["K"] <= 128 or (args.get("USE_GK") and args.get("GATED_OPERANDS"))
+        return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
     return Config(BV=tile_width(args["V"], 32 if thin else 64),
@@ -471,9 +478,8 @@ def chunk_gated_delta_rule_bwd_dhu(
         USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+        FEW_PROGRAMS=sequential_grid_fill(N, H, V),
         **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive,
-                GATED_OPERANDS=gated_operands) if vector_gate else
-           # (0 with the vector gate, whose defaults do not read it.)
-           dict(FEW_PROGRAMS=sequential_grid_fill(N, H, V))),
+                GATED_OPERANDS=gated_operands) if vector_gate else {}),
     )
     return dh, dh0, dv2

@@ -45,16 +45,13 @@ CHUNK_SIZE = 64
 
 
 def _default(args) -> Config:
-    # Up to K = 128, 32-channel K tiles at 4 warps and one stage: H100 (Triton 3.6, bf16,
-    # 2026-11-26), op fwd+bwd 10.45 -> 9.45 ms for GLA at 1x8192x96x128 and 3.52 -> 3.22
-    # for RWKV6 at 4x4096x16x128 against BK = 64 at 8 warps (three alternating rounds
-    # each, spread < 1%). Above K = 128 (not timed that way) the 8-warp BK = 64 config
-    # that keeps dA [64, 64] and dq, dk, γ [64, BK] in fp32 registers.
-    if args["K"] <= 128:
-        return Config(BK=tile_width(args["K"], 32), BV=tile_width(args["V"], 64),
-                      num_warps=4, num_stages=1)
-    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64), num_warps=8,
-                  num_stages=2)
+    # 32-channel K tiles at 4 warps: H100 (Triton 3.6, bf16, 2026-11-26), op fwd+bwd
+    # 10.45 -> 9.45 ms for GLA at 1x8192x96x128 and 3.52 -> 3.22 for RWKV6 at
+    # 4x4096x16x128 against BK = 64 at 8 warps (three alternating rounds each, spread
+    # < 1%); one stage there. At K = 256 (GLA 8x2048x32x256, its space timed) two stages:
+    # 3.41 ms (one: 3.44; BK = 64 at 8 warps, the earlier default, 3.88).
+    return Config(BK=tile_width(args["K"], 32), BV=tile_width(args["V"], 64), num_warps=4,
+                  num_stages=1 if args["K"] <= 128 else 2)
 
 
 def _space(args) -> list[Config]:

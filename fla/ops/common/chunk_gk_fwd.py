@@ -278,8 +278,8 @@ def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl
                          GATE_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The whole chunk in one [64, K] x [K, 64] product, returning its span. Per K tile
     γ = cumsum(g) in registers (only its row at the chunk's last valid token stored, all
-    the state pass reads; the gated operands under ``GATE_OPERANDS``), then the tile's share of A through a per-channel shift s_k in
-    place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
+    the state pass reads; the gated operands under ``GATE_OPERANDS``), then the tile's
+    share of A through a per-channel shift s_k in place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
     s_k the midpoint of the chunk's largest γq_k and smallest γ_k, so that no factor's
     exponent exceeds half the chunk's range of γ in its channel (the span: ~26-38 for
     logsigmoid(randn) gates, against ~52-76 through the last row). Pairs above the
@@ -496,9 +496,13 @@ def _h_default(args) -> Config:
         # rule's pass: a third stage, and 32-column tiles where even those leave each SM
         # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). This pass there,
         # H100 2026-11-26: 0.444 ms against 0.576.
-        few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
-        width = 32 if few == 2 or args["K"] > 128 else 64
-        return Config(BV=tile_width(args["V"], width), num_warps=4,
+        # Above K = 128, 64-column tiles in one stage (GLA 8x2048x32x256, H100, the space
+        # timed: the output pass 1.21 ms against 1.49 for BV = 32 in two stages, the
+        # backward's h pass 0.97 against 1.08).
+        if args["K"] > 128:
+            return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=1)
+        few = args.get("FEW_PROGRAMS", 0) if sixteen_bit(args) else 0
+        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
                       num_stages=3 if few else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
