@@ -59,6 +59,14 @@ STAGE_MS = {
         "2x16384x16x128": {(32, 8, 3): 0.526, (64, 4, 2): 0.672},
         "8x1024x8x64": {(32, 8, 3): 0.036, (64, 4, 2): 0.045},
     },
+    # The vector gate on the forward's gated operands (GLA; 2026-11-26, later that day).
+    "dhu GK": {
+        "1x8192x96x128": {(64, 4, 1): 0.809, (64, 4, 2): 0.565, (64, 4, 3): 0.735,
+                          (32, 4, 2): 0.786},
+        "2x16384x16x128": {(32, 4, 3): 0.582, (32, 4, 2): 0.687, (64, 4, 3): 0.679,
+                           (64, 4, 1): 1.236},
+        "8x2048x32x256": {(64, 4, 1): 1.466, (32, 4, 1): 2.163, (32, 2, 1): 1.941},
+    },
     "wy": {
         "1x8192x96x128": {(64, 64, 4, 2): 0.787, (64, 64, 4, 3): 0.684},
         "1x8192x64x128": {(64, 64, 4, 2): 0.527, (64, 64, 4, 3): 0.455},
@@ -83,7 +91,9 @@ def _pick(kernel: str, D: int, few: int, k=BF16):
         args = dict(K=D, V=D, BT=64, k=k, w=k if with_w else None, FEW_PROGRAMS=few)
         return chunk_delta_h._default(args), chunk_delta_h._space(args)
     if kernel.startswith("dhu"):
-        args = dict(K=D, V=D, BT=64, k=k, USE_W=with_w, USE_GK=False, FEW_PROGRAMS=few)
+        gk = kernel.endswith(" GK")
+        args = dict(K=D, V=D, BT=64, k=k, USE_W=with_w, USE_GK=gk, GATED_OPERANDS=gk,
+                    FEW_PROGRAMS=few)
         return chunk_delta_h_bwd._dhu_default(args), chunk_delta_h_bwd._dhu_space(args)
     args = dict(K=D, V=D, BT=64, k=k, A=k, USE_G=True)
     return wy_fast_bwd._wy_default(args), wy_fast_bwd._wy_space(args)
@@ -161,3 +171,33 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
         B, T, H, D = (int(x) for x in shape.split("x"))
         k = torch.empty(B, T, H, D, device="meta")
         assert gdn_chunk._states_from_the_forward_pass(k, k, None) is from_pass, shape
+
+
+def test_reverse_pass_launcher_passes_the_grid_hint_with_the_vector_gate(monkeypatch):
+    """GLA's reverse state pass once ran without FEW_PROGRAMS (its thin-grid default never
+    fired: 1.24 ms against 0.58 at 2x16384x16x128): its launcher computes the hint for
+    the vector gate too."""
+    from fla.ops.common import chunk_delta_h_bwd
+    calls = []
+
+    def hint(N, H, V):
+        calls.append((N, H, V))
+        return 0
+
+    monkeypatch.setattr(chunk_delta_h_bwd, "sequential_grid_fill", hint)
+    monkeypatch.setattr(chunk_delta_h_bwd, "chunk_gated_delta_rule_bwd_dhu_kernel",
+                        _NoLaunch())
+    q = torch.zeros(2, 70, 3, 32)
+    do = torch.zeros(2, 70, 3, 16)
+    A = torch.zeros(2, 70, 3, 64)
+    chunk_delta_h_bwd.chunk_gated_delta_rule_bwd_dhu(q, q, None, q, None, None, do, None, 1.0,
+                                                     chunk_size=64, Aqk=A,
+                                                     gated_operands=True)
+    assert calls == [(2, 3, 16)]
+
+
+class _NoLaunch:
+    """A kernel stand-in whose launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: None
