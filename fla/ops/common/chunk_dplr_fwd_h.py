@@ -53,7 +53,7 @@ def state_pass_default(args) -> Config:
     # warps, 255 registers, one: RWKV7 4x4096x32x64's 256 programs then take two waves
     # on 132 SMs instead of one; offline sm_90 K = 64: 192 B of stack against 152). H100,
     # 2026-11-26: forward pass 1.376 -> 0.838 ms, reverse (chunk_dplr_bwd_dhu) 1.817 ->
-    # 1.111 against 8 warps. Its space timed (11:50 UTC): BV = 64 for the forward pass
+    # 1.111 against 8 warps. Its space timed (11:45 UTC): BV = 64 for the forward pass
     # without saving h (0.812 against 0.837) and the reverse pass (1.058 against 1.122);
     # the pass saving h stays at 32 (0.987 against 1.043). Larger K was not timed: 32.
     wide = not args.get("SAVE") and args["K"] <= 64 and args["V"] > 32

@@ -123,7 +123,7 @@ def _default(args) -> Config:
     # H100 (Triton 3.6, bf16, RWKV7 4x4096x32x64): 0.96 ms at BK = 32, 4 warps, 2 stages
     # (2026-11-23, v2), 1.42 ms at BK = 64, 8 warps, one stage (2026-11-26), the config
     # chosen offline in between for having no spills (one program an SM). Re-timed
-    # 2026-11-26 08:40 UTC: 0.98 ms. The space timed (11:50 UTC): at K = 64 one K tile,
+    # 2026-11-26 08:40 UTC: 0.98 ms. The space timed (11:45 UTC): at K = 64 one K tile,
     # BK = 64 at 4 warps, 0.826 ms (two stages 0.827; BK = 32 0.979); K = 128 keeps
     # BK = 32 (not timed there).
     width = 64 if args["K"] <= 64 else 32
