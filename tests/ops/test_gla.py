@@ -432,6 +432,36 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_chunk_form_with_gradients(exclusive, device, seed, monkeypatch):
+    """The scores kernel's chunk form feeding a backward (γ written in full by a pass of
+    its own; on by K for wide heads, forced here at every K): outputs, final state and
+    every gradient against float64, with heads whose chunks take each of the three
+    forms (fp32, packed sequences)."""
+    from fla.ops.common import chunk_gk_fwd
+    from fla.ops.rwkv6 import chunk_rwkv6
+    from tests.ops import test_rwkv6
+    monkeypatch.setattr(chunk_gk_fwd, "CHUNK_FORM_WITH_GRADIENTS_ABOVE_K", 0)
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=40, high=160)
+    cu = cu_seqlens_of(lengths)
+    make = test_rwkv6.make_inputs if exclusive else make_inputs
+    x = make(gen, B=1, T=sum(lengths), H=3, K=32, V=16, N=3)
+    gate = "w" if exclusive else "g"
+    x[gate][..., 0, :] *= 0.25
+    x[gate][..., 1, :] *= 1.4
+    x[gate][..., 2, :] *= 4
+    forms = score_forms(x[gate][0], cu, exclusive,
+                        float(chunk_gk_fwd.ONE_REFERENCE_MAX_SPAN.value))
+    assert set(forms.flatten().tolist()) == {0, 1, 2}, forms
+    if exclusive:
+        test_rwkv6.compare(x, torch.float32, device, fn=chunk_rwkv6, gen=gen,
+                           cu_seqlens=cu.to(device))
+    else:
+        compare(x, torch.float32, device, fn=chunk_gla, gen=gen, cu_seqlens=cu.to(device))
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("variant", ["gla", "rwkv6"])
 def test_forward_without_gradients_matches_forward_with(variant, device, seed):
     """A forward that feeds no backward writes γ only where the state pass reads it

@@ -76,6 +76,10 @@ ONE_REFERENCE_MAX_SPAN = tl.constexpr(60.)
 # The forms of a chunk's scores, cheapest first (the scores kernel's FORM): one reference
 # row for the whole chunk, one for each 16-row strip, the halving.
 CHUNK_FORM, STRIP_FORM, HALVING_FORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# A forward feeding a backward starts from the chunk form only above this K (it then
+# writes γ in a pass of its own first): at K = 128 that lost to the strips (H100,
+# 1x8192x96x128: 0.98 ms against 0.87); K = 256 not timed yet.
+CHUNK_FORM_WITH_GRADIENTS_ABOVE_K = 128
 
 
 @triton.jit
@@ -393,7 +397,8 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
-@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "FIRST"],
+@tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "FIRST",
+            "STORE_GAMMA"],
        default=_A_default,
        space=_A_space)
 @triton.jit(do_not_specialize=["T", "H"])
@@ -401,7 +406,7 @@ def chunk_gk_fwd_A_kernel(
     q, k, g, u, g_cum, A, qg, kg, form, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr,
     GATE_OPERANDS: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_GAMMA: tl.constexpr = False,
 ):
     """Grid ``(NT, B·H)``. q, k, g ``[B, T, H, K]``; u ``[H, K]``; g_cum (out, fp32)
     ``[B, T, H, K]``; A (out) ``[B, T, H, 64]`` (row t: token t's scores in its chunk;
@@ -415,8 +420,10 @@ def chunk_gk_fwd_A_kernel(
     ``FIRST`` one forms γ and every chunk its form can take and marks the others; each
     later launch forms the chunks marked with its form. The chunk form runs only for a
     forward that feeds no backward: it writes γ only at each chunk's last valid row (all
-    the state pass reads), and in full for the chunks it leaves to a later launch. A
-    first halving launch (fp16 inputs) forms every chunk."""
+    the state pass reads), and in full for the chunks it leaves to a later launch;
+    with ``STORE_GAMMA`` (a forward feeding a backward, K above
+    CHUNK_FORM_WITH_GRADIENTS_ABOVE_K) it writes all of γ first, in a pass of its own.
+    A first halving launch (fp16 inputs) forms every chunk."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     p_form = form + i_bh * tl.num_programs(0) + i_t
@@ -440,13 +447,17 @@ def chunk_gk_fwd_A_kernel(
         qg_b, kg_b = qg, kg
 
     if FORM == CHUNK_FORM:
+        if STORE_GAMMA:
+            # A pass of its own: γ's store inside the chunk form's loop held 176 registers.
+            _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
         span = _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK,
                                     H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
         needed = tl.zeros([], dtype=tl.int32)
         if span > ONE_REFERENCE_MAX_SPAN:
             # The later launches read rows of γ: this (rare) chunk's are written, and
             # read back (every thread of the program stored some) for the strips' spans.
-            _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
+            if not STORE_GAMMA:
+                _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
             tl.debug_barrier()
             needed = _gk_strips_form(gc_b, L, HK, K, BK, EXCLUSIVE)
         tl.store(p_form, needed.to(tl.int8))
@@ -737,7 +748,7 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     # too took 0.98-1.12 ms there against 0.87 (H100 / H200), without it 0.70.
     if k.dtype == torch.float16:
         launches = ((HALVING_FORM, True, gate_operands),)
-    elif store_gamma:
+    elif store_gamma and K <= CHUNK_FORM_WITH_GRADIENTS_ABOVE_K:
         launches = ((STRIP_FORM, True, gate_operands), (HALVING_FORM, False, gate_operands))
     else:
         launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, False, False),
@@ -749,7 +760,8 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
             EXCLUSIVE=exclusive, USE_U=u is not None, GATE_OPERANDS=operands,
             FORM=kernel_form.value, FIRST=first, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(k.dtype))
+            DOT_PRECISION=dot_precision(k.dtype),
+            STORE_GAMMA=store_gamma and kernel_form == CHUNK_FORM)
     return g_cum, A, qg, kg
 
 
