@@ -761,7 +761,7 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
             EXCLUSIVE=exclusive, USE_U=u is not None, GATE_OPERANDS=operands,
             FORM=kernel_form.value, FIRST=first, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=dot_precision(k.dtype),
-            STORE_GAMMA=store_gamma and kernel_form == CHUNK_FORM)
+            STORE_GAMMA=store_gamma and kernel_form.value == CHUNK_FORM.value)
     return g_cum, A, qg, kg
 
 
