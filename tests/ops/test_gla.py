@@ -550,6 +550,32 @@ def test_gpu_bf16_real_shapes(mode, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_gpu_bf16_forward_without_gradients(exclusive, shape):
+    """A forward that feeds no backward takes its own path (the scores kernel's chunk
+    form, γ written at each chunk's last row only), which the comparisons above, all
+    with gradients, never run: bf16 at real shapes against float64, output and final
+    state."""
+    from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
+    from tests.ops import test_rwkv6
+    gen = generator(0x61c)
+    if exclusive:
+        x = test_rwkv6.make_inputs(gen, **GPU_SHAPES[shape])
+        fn, ref_fn = chunk_rwkv6, naive_recurrent_rwkv6
+    else:
+        x = make_inputs(gen, **GPU_SHAPES[shape])
+        fn, ref_fn = chunk_gla, naive
+    leaves = leaves_of(x, torch.bfloat16, "cuda")
+    ref = {n: None if t is None else t.detach().cpu().double() for n, t in leaves.items()}
+    with torch.no_grad():
+        o, ht = fn(**leaves, output_final_state=True)
+        o_ref, ht_ref = ref_fn(**ref, output_final_state=True)
+    assert_rel_close("o", o, o_ref, TOLERANCE[torch.bfloat16])
+    assert_rel_close("final_state", ht, ht_ref, TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(OPS))
 def test_gpu_bf16_varlen(mode):
     gen = generator(0x61b)

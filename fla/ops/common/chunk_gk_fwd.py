@@ -283,7 +283,10 @@ def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl
     """The whole chunk in one [64, K] x [K, 64] product, returning its span. Per K tile
     γ = cumsum(g) in registers (only its row at the chunk's last valid token stored, all
     the state pass reads; the gated operands under ``GATE_OPERANDS``), then the tile's
-    share of A through a per-channel shift s_k in place of a reference row: A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}],
+    share of A through a per-channel shift s_k in place of a reference row::
+
+        A_ij = Σ_k [q_ik e^{γq_ik − s_k}] · [k_jk e^{s_k − γ_jk}]
+
     s_k the midpoint of the chunk's largest γq_k and smallest γ_k, so that no factor's
     exponent exceeds half the chunk's range of γ in its channel (the span: ~26-38 for
     logsigmoid(randn) gates, against ~52-76 through the last row). Pairs above the
