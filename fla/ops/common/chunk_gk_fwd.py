@@ -53,6 +53,8 @@ the exp.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -762,15 +764,22 @@ def gk_default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int,
     split's launch model (:func:`fla.ops.common.chunk_fwd_inter.segment_chunks_for`, form
     "vector") over the sequences of the host token ``offsets`` (None: B of T tokens),
     with the output and transition programs' tile widths of the tuning defaults."""
-    if offsets is None:
-        offsets = list(range(0, B * T + 1, T))
+    seq_chunks = ([cdiv(T, CHUNK_SIZE)] * B if offsets is None
+                  else chunk_counts(offsets, CHUNK_SIZE))
+    output_tiles, transition_tiles = _pass_tiles(K, V, gated_operands)
+    # Through the module: tests and scripts/compile_check.py patch it to force a split.
+    return chunk_fwd_inter.segment_chunks_for(seq_chunks, H, output_tiles, transition_tiles,
+                                              "vector")
+
+
+@functools.lru_cache(maxsize=64)
+def _pass_tiles(K: int, V: int, gated_operands: bool) -> tuple[int, int]:
+    """V tiles of the output and of the transition programs at their default configs
+    (remembered: every call of every layer asks; 7 µs a call on a CPU host before)."""
     args = dict(K=K, V=V, GATED_OPERANDS=gated_operands, STORE_H=False, FEW_PROGRAMS=0)
     output_bv = _h_default(dict(args, STORE_O=True)).meta["BV"]
     transition_bv = _h_default(dict(args, STORE_O=False)).meta["BV"]
-    # Through the module: tests and scripts/compile_check.py patch it to force a split.
-    return chunk_fwd_inter.segment_chunks_for(chunk_counts(offsets, CHUNK_SIZE), H,
-                                              cdiv(V, output_bv), cdiv(V, transition_bv),
-                                              "vector")
+    return cdiv(V, output_bv), cdiv(V, transition_bv)
 
 
 def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=None,
