@@ -44,9 +44,11 @@ in the cheapest of three forms whose exponents stay ≤ ``ONE_REFERENCE_MAX_SPAN
   [16, K] x [K, 16] product a level); always for fp16 inputs, whose range cannot hold
   e^60.
 
-The first launch forms γ and every chunk it can in the chunk form and marks the rest
-with the form they need; a launch per remaining form follows, each compiled with its
-form only. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
+The first launch forms γ and every chunk its form can take and marks the rest with the
+form they need; a launch per remaining form follows, each compiled with its form only.
+A forward that feeds no backward starts from the chunk form (γ written at each chunk's
+last row only); one that feeds a backward from the strips (γ written in full, the chunk
+form storing it lost there); fp16 inputs take the halving alone. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
 form a factor that underflows belongs to a product below e^(span − 87); a reference row
 past the chunk's end is clamped to its last row, and masked elements are zeroed before
 the exp.
