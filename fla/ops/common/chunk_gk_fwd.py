@@ -63,7 +63,7 @@ import triton.language as tl
 
 from fla.ops.common import chunk_fwd_inter
 from fla.ops.common.chunk_fwd_inter import segment_of_program
-from fla.ops.utils.index import chunk_counts, locate_chunk
+from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
@@ -766,11 +766,10 @@ def gk_default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int,
     split's launch model (:func:`fla.ops.common.chunk_fwd_inter.segment_chunks_for`, form
     "vector") over the sequences of the host token ``offsets`` (None: B of T tokens),
     with the output and transition programs' tile widths of the tuning defaults."""
-    seq_chunks = ([cdiv(T, CHUNK_SIZE)] * B if offsets is None
-                  else chunk_counts(offsets, CHUNK_SIZE))
     output_tiles, transition_tiles = _pass_tiles(K, V, gated_operands)
     # Through the module: tests and scripts/compile_check.py patch it to force a split.
-    return chunk_fwd_inter.segment_chunks_for(seq_chunks, H, output_tiles, transition_tiles,
+    return chunk_fwd_inter.segment_chunks_for(chunk_fwd_inter.sequence_chunks(offsets, B, T),
+                                              H, output_tiles, transition_tiles,
                                               "vector")
 
 
