@@ -55,28 +55,23 @@ def _dhu_default(args) -> Config:
     # programs leave each SM one (FEW_PROGRAMS = 2), BV = 32: 2x16384x16x128 0.53 ms
     # against 0.79 (with W) and 0.53 against 0.67 (without, 8 warps; 0.61 at 4).
     # Above K = 128 and for fp32 operands, the fewest stages its space holds.
-    # The vector gate on the forward's gated operands (no γ tile staged), K <= 128: on a
-    # thin grid as without the gate, 32-column tiles where even those leave each SM one
-    # program, and a third stage; elsewhere two stages. H100, 2026-11-26, each space
-    # timed: GLA 2x16384x16x128 0.58 ms against 1.24 for the one-stage BV = 64 it ran
-    # before (the launcher passed no FEW_PROGRAMS with the gate, so this rule never
-    # fired), 1x8192x96x128 0.57 against ~0.80.
+    # The vector gate on the forward's gated operands (no γ tile staged), K <= 128: the
+    # rule without the gate, at 4 warps (32-column tiles and a third stage on the
+    # thinnest grids, two stages elsewhere). H100, 2026-11-26, each space timed: GLA
+    # 2x16384x16x128 0.58 ms against 1.24 for the one-stage BV = 64 it ran before (the
+    # launcher passed no FEW_PROGRAMS with the gate, so no thin-grid rule fired),
+    # 1x8192x96x128 0.57 against ~0.80.
     few = args.get("FEW_PROGRAMS", 0)
-    if (args.get("USE_GK") and args.get("GATED_OPERANDS") and args["K"] <= 128
-            and sixteen_bit(args)):
-        if few:
-            return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
-                          num_stages=3)
-        return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=2)
-    if args.get("USE_GK") or args["K"] > 128 or not sixteen_bit(args):
+    gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+    if (args.get("USE_GK") and not gated_gk) or args["K"] > 128 or not sixteen_bit(args):
         # At K = 256 the vector gate on the gated operands takes 64-column tiles too (GLA
         # 8x2048x32x256, H100, its space timed: 1.47 ms against 2.16 at 32).
-        wide = args["K"] <= 128 or (args.get("USE_GK") and args.get("GATED_OPERANDS"))
+        wide = args["K"] <= 128 or gated_gk
         return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
     return Config(BV=tile_width(args["V"], 32 if thin else 64),
-                  num_warps=8 if thin and not args["USE_W"] else 4,
+                  num_warps=8 if thin and not (args["USE_W"] or gated_gk) else 4,
                   num_stages=3 if args["USE_W"] or few else 2)
 
 

@@ -607,15 +607,18 @@ def transition_width(K: int, V: int, delta: bool) -> int:
     return K + V if delta else V
 
 
+def sequence_chunks(offsets: list[int] | None, B: int, T: int) -> list[int]:
+    """64-token chunks of each sequence: of the packed host ``offsets``, or (None) of B
+    sequences of T tokens."""
+    return [cdiv(T, CHUNK)] * B if offsets is None else chunk_counts(offsets, CHUNK)
+
+
 def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
                            V: int, delta: bool, form_scores: bool) -> int:
     """What the pass's launcher picks for ``segment_chunks=None`` (0: no split), given
     the host ``offsets`` of packed sequences (token boundaries from 0), or None for B
     sequences of T tokens."""
-    if offsets is None:
-        seq_chunks = [cdiv(T, CHUNK)] * B
-    else:
-        seq_chunks = [cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+    seq_chunks = sequence_chunks(offsets, B, T)
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, TRANSITION=False,
                        FEW_PROGRAMS=0)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True,

@@ -44,14 +44,18 @@ in the cheapest of three forms whose exponents stay ≤ ``ONE_REFERENCE_MAX_SPAN
   [16, K] x [K, 16] product a level); always for fp16 inputs, whose range cannot hold
   e^60.
 
-The first launch forms γ and every chunk it can in the chunk form and marks the rest
-with the form they need; a launch per remaining form follows, each compiled with its
-form only. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
+The first launch forms γ and every chunk its form can take and marks the rest with the
+form they need; a launch per remaining form follows, each compiled with its form only.
+A forward that feeds no backward starts from the chunk form (γ written at each chunk's
+last row only); one that feeds a backward from the strips (γ written in full, the chunk
+form storing it lost there); fp16 inputs take the halving alone. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
 form a factor that underflows belongs to a product below e^(span − 87); a reference row
 past the chunk's end is clamped to its last row, and masked elements are zeroed before
 the exp.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -59,7 +63,7 @@ import triton.language as tl
 
 from fla.ops.common import chunk_fwd_inter
 from fla.ops.common.chunk_fwd_inter import segment_of_program
-from fla.ops.utils.index import chunk_counts, locate_chunk
+from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
@@ -774,15 +778,21 @@ def gk_default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int,
     split's launch model (:func:`fla.ops.common.chunk_fwd_inter.segment_chunks_for`, form
     "vector") over the sequences of the host token ``offsets`` (None: B of T tokens),
     with the output and transition programs' tile widths of the tuning defaults."""
-    if offsets is None:
-        offsets = list(range(0, B * T + 1, T))
+    output_tiles, transition_tiles = _pass_tiles(K, V, gated_operands)
+    # Through the module: tests and scripts/compile_check.py patch it to force a split.
+    return chunk_fwd_inter.segment_chunks_for(chunk_fwd_inter.sequence_chunks(offsets, B, T),
+                                              H, output_tiles, transition_tiles,
+                                              "vector")
+
+
+@functools.lru_cache(maxsize=64)
+def _pass_tiles(K: int, V: int, gated_operands: bool) -> tuple[int, int]:
+    """V tiles of the output and of the transition programs at their default configs
+    (remembered: every call of every layer asks; 7 µs a call on a CPU host before)."""
     args = dict(K=K, V=V, GATED_OPERANDS=gated_operands, STORE_H=False, FEW_PROGRAMS=0)
     output_bv = _h_default(dict(args, STORE_O=True)).meta["BV"]
     transition_bv = _h_default(dict(args, STORE_O=False)).meta["BV"]
-    # Through the module: tests and scripts/compile_check.py patch it to force a split.
-    return chunk_fwd_inter.segment_chunks_for(chunk_counts(offsets, CHUNK_SIZE), H,
-                                              cdiv(V, output_bv), cdiv(V, transition_bv),
-                                              "vector")
+    return cdiv(V, output_bv), cdiv(V, transition_bv)
 
 
 def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=None,
