@@ -82,7 +82,8 @@ ONE_REFERENCE_MAX_SPAN = tl.constexpr(60.)
 CHUNK_FORM, STRIP_FORM, HALVING_FORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # A forward feeding a backward starts from the chunk form only above this K (it then
 # writes γ in a pass of its own first): at K = 128 that lost to the strips (H100,
-# 1x8192x96x128: 0.98 ms against 0.87); K = 256 not timed yet.
+# 1x8192x96x128: 0.98 ms against 0.87); at K = 256 it won (H100, GLA 8x2048x32x256
+# fwd+bwd 8.38 -> 8.26 ms, 2026-11-26).
 CHUNK_FORM_WITH_GRADIENTS_ABOVE_K = 128
 
 
