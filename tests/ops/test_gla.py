@@ -386,20 +386,35 @@ def gated_operands_float64(q, k, g, cu, exclusive, chunk=64):
     return qg, kg
 
 
+# The scores kernel's launches (FORM, FIRST, GATE_OPERANDS) asked for gated operands:
+# the first from the strips (a forward feeding a backward up to
+# CHUNK_FORM_WITH_GRADIENTS_ABOVE_K), from the chunk form with γ written in full (above
+# it) or at each chunk's last row (a forward feeding none); then one follow-up, which
+# gates the operands of the chunks it forms only where the first launch left them.
+SCORE_LAUNCHES = {"strips_first": ((1, True, True), (2, False, True)),
+                  "chunk_form_gamma": ((0, True, True), (1, False, False)),
+                  "chunk_form": ((0, True, True), (1, False, False))}
+
+
 @pytest.mark.interpret
+@pytest.mark.parametrize("first", list(SCORE_LAUNCHES))
 @pytest.mark.parametrize("steep", [False, True], ids=["one_reference", "mixed"])
 @pytest.mark.parametrize("variant", ["gla", "rwkv6"])
-def test_intra_chunk_scores_kernel(variant, steep, device, seed):
+def test_intra_chunk_scores_kernel(variant, steep, first, device, seed, monkeypatch):
     """chunk_gk_fwd_A alone (GLA; RWKV6's exclusive scores with the bonus u) against
     float64: packed sequences that each end in a partial chunk, K = 80 (not a multiple
     of the K tile); entries above the diagonal and past the chunk's end exactly zero;
-    the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too. Head 0's mild
-    gates keep half its chunks' range of γ within ONE_REFERENCE_MAX_SPAN (the chunk
-    form); head 1's, down to −7 a step, keep only every strip's span within it (the
-    strips' form); ``steep`` makes head 2's 4x steeper still, so that strips on
-    both sides of the limit meet (the halving for the steep ones)."""
+    the state pass's gated operands q ⊙ e^{γq} and k ⊙ e^{γ_C − γ} too, and γ where it
+    is written in full. Head 0's mild gates keep half its chunks' range of γ within
+    ONE_REFERENCE_MAX_SPAN (the chunk form); head 1's, down to −7 a step, keep only
+    every strip's span within it (the strips' form); ``steep`` makes head 2's 4x
+    steeper still, so that strips on both sides of the limit meet (the halving for the
+    steep ones). Each launch sequence ``first`` (SCORE_LAUNCHES) in two launches: the
+    chunks the first refuses, strips' and halving's, all formed by the one follow-up."""
+    from fla.ops.common import chunk_gk_fwd
     from fla.ops.common.chunk_gk_fwd import ONE_REFERENCE_MAX_SPAN, chunk_gk_fwd_A
     from fla.ops.utils.index import prepare_chunk_indices
+    from tests.ops.config_sweep import record_launches
     gen = generator(seed)
     lengths = uneven_lengths(3, gen, low=20, high=150)
     T, H, K = sum(lengths), 3, 80
@@ -415,11 +430,22 @@ def test_intra_chunk_scores_kernel(variant, steep, device, seed):
     u = randn((H, K), gen, torch.float64) if exclusive else None
     cu = cu_seqlens_of(lengths)
     q, k, g = (x[n][0].to(torch.float32) for n in ("q", "k", "g"))
-    _, A, qg, kg = chunk_gk_fwd_A(
+    if first == "chunk_form_gamma":
+        monkeypatch.setattr(chunk_gk_fwd, "CHUNK_FORM_WITH_GRADIENTS_ABOVE_K", 0)
+    store_gamma = first != "chunk_form"
+    launches = record_launches(monkeypatch, chunk_gk_fwd.chunk_gk_fwd_A_kernel)
+    g_cum, A, qg, kg = chunk_gk_fwd_A(
         q[None].to(device), k[None].to(device), g[None].to(device),
         None if u is None else u.to(torch.float32).to(device), cu.to(device),
-        prepare_chunk_indices(cu.to(device), 64), exclusive=exclusive, gate_operands=True)
-    A, qg, kg = (t[0].cpu() for t in (A, qg, kg))
+        prepare_chunk_indices(cu.to(device), 64), exclusive=exclusive, gate_operands=True,
+        store_gamma=store_gamma)
+    assert tuple((a["FORM"], a["FIRST"], a["GATE_OPERANDS"]) for _, a in launches) \
+        == SCORE_LAUNCHES[first]
+    assert [a["STORE_GAMMA"] for _, a in launches] == [first == "chunk_form_gamma", False]
+    g_cum, A, qg, kg = (t[0].cpu() for t in (g_cum, A, qg, kg))
+    if store_gamma:
+        gamma = torch.cat([gam for _, gam, _ in chunk_gates(g.double(), cu, False)])
+        assert_rel_close("g_cum", g_cum, gamma, 1e-5)
     qg_ref, kg_ref = gated_operands_float64(*(t.double() for t in (q, k, g)), cu, exclusive)
     assert_rel_close("qg", qg, qg_ref, 1e-4)
     assert_rel_close("kg", kg, kg_ref, 1e-4)

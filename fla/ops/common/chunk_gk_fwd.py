@@ -44,14 +44,18 @@ in the cheapest of three forms whose exponents stay ≤ ``ONE_REFERENCE_MAX_SPAN
   [16, K] x [K, 16] product a level); always for fp16 inputs, whose range cannot hold
   e^60.
 
-The first launch forms γ and every chunk its form can take and marks the rest with the
-form they need; a launch per remaining form follows, each compiled with its form only.
-A forward that feeds no backward starts from the chunk form (γ written at each chunk's
-last row only); one that feeds a backward from the strips (γ written in full, the chunk
-form storing it lost there); fp16 inputs take the halving alone. The diagonal j = i is Σ_k q k (GLA: exponent 0) or RWKV6's bonus. In every
-form a factor that underflows belongs to a product below e^(span − 87); a reference row
-past the chunk's end is clamped to its last row, and masked elements are zeroed before
-the exp.
+Two launches: the first, compiled with its form only, forms γ and every chunk its form
+can take and marks the rest with the form they need, for good (the chunks the chunk form
+refuses are sorted between the strips and the halving from γ there); then one follow-up,
+compiled with the forms after the first's, in which each program reads its chunk's mark
+and forms it as marked (most find none and exit at once). A forward that feeds no
+backward starts from the chunk form (γ written at each chunk's last row only); one that
+feeds a backward from the strips up to K = 128 (γ written in full, the chunk form
+storing it lost there), above that from the chunk form writing γ in a pass of its own;
+fp16 inputs take the halving alone, in one launch. The diagonal j = i is Σ_k q k (GLA:
+exponent 0) or RWKV6's bonus. In every form a factor that underflows belongs to a
+product below e^(span − 87); a reference row past the chunk's end is clamped to its
+last row, and masked elements are zeroed before the exp.
 """
 from __future__ import annotations
 
@@ -114,6 +118,11 @@ def gk_level_mask(o_t, b: tl.constexpr):
 
 
 def _A_default(args) -> Config:
+    # The follow-up, its programs mostly reading one byte and exiting: BK = 32 in one
+    # stage (H100, K = 256, the follow-ups' space timed: 0.010-0.014 ms against
+    # 0.011-0.019 at the BK = 64 default; the same rule, untimed, at K <= 128).
+    if not args["FIRST"]:
+        return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=1)
     # H100, Triton 3.6, bf16, every config of the space timed (1x8192x96x128 and RWKV6's
     # 4x4096x16x128): BK = 64 with 4 warps the fastest or within 7% (8 warps 1.5-2.6x
     # slower: the strips' [16, BK] tiles spread thin over 256 threads). One stage for
@@ -405,6 +414,22 @@ def _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, S: tl.constexpr
                  mask=m_i[:, None] & (o_z >= 16 * S + 16)[None, :])
 
 
+@triton.jit
+def _gk_fwd_A_strips(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl.constexpr,
+                     BK: tl.constexpr, RS, FORM: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                     USE_U: tl.constexpr, GATE_OPERANDS: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """The chunk's A (γ stored) strip by strip in the strips' form ``FORM``: one
+    reference row a strip (STRIP_FORM) or the halving (HALVING_FORM)."""
+    for s in tl.static_range(4):
+        if FORM == STRIP_FORM:
+            _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK, RS,
+                                    EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        else:
+            _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK, RS,
+                            EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+
+
 @tuned(key=["K", "q", "g", "EXCLUSIVE", "USE_U", "GATE_OPERANDS", "FORM", "FIRST",
             "STORE_GAMMA"],
        default=_A_default,
@@ -423,15 +448,16 @@ def chunk_gk_fwd_A_kernel(
     kg = k ⊙ e^{γ_C − γ}, γ_C the chunk's last row.
 
     ``FORM``: CHUNK_FORM (the whole chunk through a per-channel shift), STRIP_FORM (one
-    reference row a 16-row strip) or HALVING_FORM. Launches share the work through
-    ``form`` ``[B·H, NT]`` int8 (the form each chunk still needs, 0 once formed): the
-    ``FIRST`` one forms γ and every chunk its form can take and marks the others; each
-    later launch forms the chunks marked with its form. The chunk form runs only for a
-    forward that feeds no backward: it writes γ only at each chunk's last valid row (all
-    the state pass reads), and in full for the chunks it leaves to a later launch;
-    with ``STORE_GAMMA`` (a forward feeding a backward, K above
-    CHUNK_FORM_WITH_GRADIENTS_ABOVE_K) it writes all of γ first, in a pass of its own.
-    A first halving launch (fp16 inputs) forms every chunk."""
+    reference row a 16-row strip) or HALVING_FORM. Two launches at most share the work
+    through ``form`` ``[B·H, NT]`` int8 (the form each chunk still needs, 0 once
+    formed): the ``FIRST`` one forms γ and every chunk its form can take and marks the
+    others with their final form; the follow-up (not ``FIRST``) forms the chunks marked
+    ``FORM`` or a later form, the one after the first launch's (after the chunk form,
+    the strips or the halving as marked; after the strips, the halving). The chunk form
+    writes γ only at each chunk's last valid row (all the state pass reads), and in full
+    for the chunks it leaves to the follow-up; with ``STORE_GAMMA`` (a forward feeding
+    a backward, K above CHUNK_FORM_WITH_GRADIENTS_ABOVE_K) it writes all of γ first, in
+    a pass of its own. A first halving launch (fp16 inputs) forms every chunk alone."""
     BT: tl.constexpr = 64
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     p_form = form + i_bh * tl.num_programs(0) + i_t
@@ -462,14 +488,13 @@ def chunk_gk_fwd_A_kernel(
                                     H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
         needed = tl.zeros([], dtype=tl.int32)
         if span > ONE_REFERENCE_MAX_SPAN:
-            # The later launches read rows of γ: this (rare) chunk's are written, and
-            # read back (every thread of the program stored some) for the strips' spans.
+            # The follow-up reads rows of γ: this (rare) chunk's are written, and read
+            # back (every thread of the program stored some) for the strips' spans.
             if not STORE_GAMMA:
                 _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
             tl.debug_barrier()
             needed = _gk_strips_form(gc_b, L, HK, K, BK, EXCLUSIVE)
         tl.store(p_form, needed.to(tl.int8))
-        run = False
     elif FIRST:
         # γ written first: the strips read rows of it back.
         _gk_store_gamma(g_b, gc_b, L, HK, K, BK)
@@ -477,23 +502,28 @@ def chunk_gk_fwd_A_kernel(
         if FORM == STRIP_FORM:
             needed = _gk_strips_form(gc_b, L, HK, K, BK, EXCLUSIVE)
             tl.store(p_form, tl.where(needed == STRIP_FORM, 0, needed).to(tl.int8))
-            run = needed == STRIP_FORM
+            if needed == STRIP_FORM:
+                _gk_fwd_A_strips(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK, H * BT,
+                                 STRIP_FORM, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
         else:
-            run = True
+            _gk_fwd_A_strips(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK, H * BT,
+                             HALVING_FORM, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
     else:
-        # One byte read instead of the spans' 24 rows of γ: this launch's programs
-        # mostly find nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the spans
-        # again).
-        run = tl.load(p_form) == FORM
-    if run:
-        for s in tl.static_range(4):
-            if FORM == STRIP_FORM:
-                _gk_fwd_A_strip_one_ref(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                                        H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS,
-                                        DOT_PRECISION)
-            else:
-                _gk_fwd_A_strip(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, s, K, BK,
-                                H * BT, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        # The follow-up: one byte read instead of the spans' 24 rows of γ, its programs
+        # mostly finding nothing to do (H100, 1x8192x96x128: 0.17 ms measuring the spans
+        # again). The marks are final (the first launch chose between the strips' forms
+        # from γ), so that one launch serves every later form: after the chunk form,
+        # compiled with the strips and the halving, whose registers together slowed a
+        # launch forming every chunk (1.06 ms against 0.86), not one whose programs
+        # mostly exit at once.
+        needed = tl.load(p_form)
+        if FORM == STRIP_FORM:
+            if needed == STRIP_FORM:
+                _gk_fwd_A_strips(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK, H * BT,
+                                 STRIP_FORM, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
+        if needed == HALVING_FORM:
+            _gk_fwd_A_strips(q_b, k_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K, BK, H * BT,
+                             HALVING_FORM, EXCLUSIVE, USE_U, GATE_OPERANDS, DOT_PRECISION)
 
 
 @triton.jit
@@ -748,19 +778,23 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     A = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     qg = torch.empty_like(k) if gate_operands else None
     kg = torch.empty_like(k) if gate_operands else None
-    # One launch a form, each compiled with that form only (H100, 1x8192x96x128 bf16: one
-    # kernel choosing the strips' form at run time held the registers of both, 1.06 ms
-    # against 0.86 for the one-reference strips alone). fp16 inputs take the halving
+    # The first launch compiled with its form only (H100, 1x8192x96x128 bf16: one kernel
+    # choosing the strips' form at run time held the registers of both, 1.06 ms against
+    # 0.86 for the one-reference strips alone), then one follow-up for the chunks it
+    # refused, whatever form they need (its programs mostly exit at once: each follow-up
+    # cost 10-20 µs of GPU time, and a launch's host time). fp16 inputs take the halving
     # everywhere (their range cannot hold one reference's factors). A forward that feeds
     # a backward writes γ in full and starts from the strips: the chunk form storing γ
     # too took 0.98-1.12 ms there against 0.87 (H100 / H200), without it 0.70.
+    # The chunk form writes every chunk's gated operands, refused ones too (they do not
+    # depend on the form): its follow-up writes none. The strips write only those of
+    # the chunks they form: their follow-up writes the halving's.
     if k.dtype == torch.float16:
         launches = ((HALVING_FORM, True, gate_operands),)
     elif store_gamma and K <= CHUNK_FORM_WITH_GRADIENTS_ABOVE_K:
         launches = ((STRIP_FORM, True, gate_operands), (HALVING_FORM, False, gate_operands))
     else:
-        launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, False, False),
-                    (HALVING_FORM, False, False))
+        launches = ((CHUNK_FORM, True, gate_operands), (STRIP_FORM, False, False))
     form = torch.empty(B * H, NT, dtype=torch.int8, device=k.device)
     for kernel_form, first, operands in launches:
         chunk_gk_fwd_A_kernel[(NT, B * H)](
