@@ -120,7 +120,8 @@ def gk_level_mask(o_t, b: tl.constexpr):
 def _A_default(args) -> Config:
     # The follow-up, its programs mostly reading one byte and exiting: BK = 32 in one
     # stage (H100, K = 256, the follow-ups' space timed: 0.010-0.014 ms against
-    # 0.011-0.019 at the BK = 64 default; the same rule, untimed, at K <= 128).
+    # 0.011-0.019 at the BK = 64 default; the same rule at K <= 128, not timed alone:
+    # GLA's fwd+bwd at 1x8192x96x128 4.068 -> 4.070 ms with it, H200).
     if not args["FIRST"]:
         return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=1)
     # H100, Triton 3.6, bf16, every config of the space timed (1x8192x96x128 and RWKV6's
@@ -784,8 +785,9 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
     # refused, whatever form they need (its programs mostly exit at once: each follow-up
     # cost 10-20 µs of GPU time, and a launch's host time). fp16 inputs take the halving
     # everywhere (their range cannot hold one reference's factors). A forward that feeds
-    # a backward writes γ in full and starts from the strips: the chunk form storing γ
-    # too took 0.98-1.12 ms there against 0.87 (H100 / H200), without it 0.70.
+    # a backward writes γ in full and, up to CHUNK_FORM_WITH_GRADIENTS_ABOVE_K, starts
+    # from the strips: the chunk form storing γ too took 0.98-1.12 ms there against 0.87
+    # (H100 / H200, K = 128), without it 0.70.
     # The chunk form writes every chunk's gated operands, refused ones too (they do not
     # depend on the form): its follow-up writes none. The strips write only those of
     # the chunks they form: their follow-up writes the halving's.
