@@ -530,9 +530,9 @@ MIN_SEGMENT_CHUNKS = 8
 # log decay; its combine step a scaled add with a K-vector of scales. One point timed
 # (H100, 2026-11-26): GLA 2x16384x16x128, the model's pick (64-chunk segments) took the
 # forward's pass from 0.445 to 0.377 ms (transitions 0.115-0.148, combine 0.007, output
-# 0.243), the op's forward 1.023 -> 0.967 ms. (Offline sm_90 build, Triton 3.6, K = V = 128, BV = 64, 4 warps: the
-# output program 172 registers and 104 KB of shared memory, two an SM as assumed here;
-# the transition 118 and 48 KB, four an SM.)
+# 0.243), the op's forward 1.023 -> 0.967 ms. (Offline sm_90 build, Triton 3.6,
+# K = V = 128, BV = 64, 4 warps: the output program 172 registers and 104 KB of shared
+# memory, two an SM as assumed here; the transition 118 and 48 KB, four an SM.)
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
 COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}
