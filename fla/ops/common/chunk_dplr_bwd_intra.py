@@ -30,7 +30,7 @@ import triton.language as tl
 from fla.ops.common.chunk_dplr_fwd_intra import (
     CHUNK_SIZE,
     HALF,
-    diag_factors,
+    diag_factor_pair,
     dot_args,
     half_gates,
     load_rows,
@@ -69,17 +69,34 @@ def _mtm(x, y, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _diag_part(dQK, dQB, dAK, dAB, x_q, x_a, y_k, y_b, ex, ey, DT: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Gradients through one of a diagonal block's two dots (factors ``ex``, ``ey``):
-    (dq, d(a e^{−gk}), dk, db) contributions."""
-    qe, ae = x_q * ex, x_a * ex
-    ke, be = y_k * ey, y_b * ey
-    gq = (_mm(dQK, ke, DT, PRECISION) + _mm(dQB, be, DT, PRECISION)) * ex
-    ga = (_mm(dAK, ke, DT, PRECISION) + _mm(dAB, be, DT, PRECISION)) * ex
-    gk = (_mtm(dQK, qe, DT, PRECISION) + _mtm(dAK, ae, DT, PRECISION)) * ey
-    gb = (_mtm(dQB, qe, DT, PRECISION) + _mtm(dAB, ae, DT, PRECISION)) * ey
-    return gq, ga, gk, gb
+def _diag_rows(dQK, dQB, dAK, dAB, y_k, y_b, c, o_r, HALF: tl.constexpr,
+               DT: tl.constexpr, PRECISION: tl.constexpr):
+    """Row-side gradients through a diagonal block, both its dots: the (dq,
+    d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}."""
+    gq = tl.zeros_like(y_k)
+    ga = tl.zeros_like(y_k)
+    for part in tl.static_range(2):
+        ex, ey = diag_factor_pair(c, o_r, HALF, part == 1)
+        ke, be = y_k * ey, y_b * ey
+        gq += (_mm(dQK, ke, DT, PRECISION) + _mm(dQB, be, DT, PRECISION)) * ex
+        ga += (_mm(dAK, ke, DT, PRECISION) + _mm(dAB, be, DT, PRECISION)) * ex
+    return gq, ga
+
+
+@triton.jit
+def _diag_cols(tQK, tQB, tAK, tAB, x_q, xa, c, o_r, HALF: tl.constexpr,
+               DT: tl.constexpr, PRECISION: tl.constexpr):
+    """Column-side gradients through a diagonal block, both its dots: the (dk, db)
+    contributions Σ_t dA[t,s] x_t e^{γ_t − γ_s} (``xa`` = a e^{−gk}; ``tQK`` … the
+    transposed blocks)."""
+    gk = tl.zeros_like(x_q)
+    gb = tl.zeros_like(x_q)
+    for part in tl.static_range(2):
+        ex, ey = diag_factor_pair(c, o_r, HALF, part == 1)
+        qe, ae = x_q * ex, xa * ex
+        gk += (_mm(tQK, qe, DT, PRECISION) + _mm(tAK, ae, DT, PRECISION)) * ey
+        gb += (_mm(tQB, qe, DT, PRECISION) + _mm(tAB, ae, DT, PRECISION)) * ey
+    return gk, gb
 
 
 @triton.jit
@@ -87,6 +104,15 @@ def _load_block(dA, row0, H: tl.constexpr, BT: tl.constexpr, o_r, m_r, col0):
     """A [32, 32] block of a [.., H, BT] matrix from token-row offset ``row0``."""
     p = dA + row0 + o_r[:, None].to(tl.int64) * (H * BT) + col0 + o_r[None, :]
     return tl.load(p, mask=m_r[:, None], other=0.0)
+
+
+@triton.jit
+def _load_block_t(dA, row0, H: tl.constexpr, BT: tl.constexpr, o_r, m_r, col0):
+    """The transpose of :func:`_load_block`'s block, read transposed from memory: the
+    column-side products take it as a plain operand (a register transpose of the block
+    loaded once for both sides went through shared memory and spilled)."""
+    p = dA + row0 + o_r[None, :].to(tl.int64) * (H * BT) + col0 + o_r[:, None]
+    return tl.load(p, mask=m_r[None, :], other=0.0)
 
 
 @triton.jit
@@ -127,76 +153,70 @@ def chunk_dplr_bwd_intra_kernel(
 
     g_lo, c_lo, g_hi, c_hi, r31 = half_gates(gk, r_lo, H, K, o_r, m_lo, m_hi, o_k, m_k, HALF)
     b_off = tl.load(off + (chunk * H + i_h) * K + o_k, mask=m_k, other=0.0)
-    # Off-diagonal block (rows 32..63 × columns 0..31), referenced at γ_31 (exponents ≤ 0).
-    q_hi = load_rows(q, r_hi, H, K, o_r, m_hi, o_k, m_k)
-    a_hi = load_rows(a, r_hi, H, K, o_r, m_hi, o_k, m_k)
-    k_lo = load_rows(k, r_lo, H, K, o_r, m_lo, o_k, m_k)
-    b_lo = load_rows(b, r_lo, H, K, o_r, m_lo, o_k, m_k)
-    ex_o = tl.exp(c_hi - r31[None, :])
-    ey_o = tl.exp(r31[None, :] - c_lo)
-    e_hi = tl.exp(-g_hi)
-    qo = q_hi * ex_o
-    ao = a_hi * e_hi * ex_o
-    ko = k_lo * ey_o
-    bo = b_lo * ey_o
-    oQK = _load_block(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
-    oQB = _load_block(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
-    oAK = _load_block(dAak, ra_hi, H, BT, o_r, m_hi, 0)
-    oAB = _load_block(dAab, ra_hi, H, BT, o_r, m_hi, 0)
-    dq_hi = (_mm(oQK, ko, DT, PRECISION) + _mm(oQB, bo, DT, PRECISION)) * ex_o
-    da_hi = (_mm(oAK, ko, DT, PRECISION) + _mm(oAB, bo, DT, PRECISION)) * ex_o
-    dk_lo = (_mtm(oQK, qo, DT, PRECISION) + _mtm(oAK, ao, DT, PRECISION)) * ey_o
-    db_lo = (_mtm(oQB, qo, DT, PRECISION) + _mtm(oAB, ao, DT, PRECISION)) * ey_o
-
+    # Each half (the upper first: its column sums carry into the reverse sum of the
+    # lower) forms its rows' dq and da, then their dk and db, so that two gradient
+    # accumulators are live at a time, and nothing but the lower half's gates and the
+    # upper half's gated queries passes from one half to the other. The off-diagonal
+    # block (rows 32..63 x columns 0..31, referenced at γ_31: exponents ≤ 0) adds to
+    # the upper half's dq, da and to the lower half's dk, db, each where it is used.
+    # (All four formed up front, and both dots' factors at once: 1.9 KB a thread of
+    # stack at 4 warps, offline sm_90.)
     carry = tl.zeros([BK], dtype=tl.float32)
     for i in tl.static_range(2):
-        # The upper half first: its column sums carry into the reverse sum of the lower.
         if i == 0:
-            c, g, m_r, row, ra = c_hi, g_hi, m_hi, r_hi, ra_hi
-            x_q, x_a = q_hi, a_hi
-            y_k = load_rows(k, r_hi, H, K, o_r, m_hi, o_k, m_k)
-            y_b = load_rows(b, r_hi, H, K, o_r, m_hi, o_k, m_k)
-            dx_q, dx_a = dq_hi, da_hi
-            dy_k = tl.zeros([HALF, BK], dtype=tl.float32)
-            dy_b = tl.zeros([HALF, BK], dtype=tl.float32)
-            e_g = e_hi
-            col = HALF
+            c, m_r, row, ra, col = c_hi, m_hi, r_hi, ra_hi, HALF
+            e_g = tl.exp(-g_hi)
         else:
-            c, g, m_r, row, ra = c_lo, g_lo, m_lo, r_lo, ra_lo
-            x_q = load_rows(q, r_lo, H, K, o_r, m_lo, o_k, m_k)
-            x_a = load_rows(a, r_lo, H, K, o_r, m_lo, o_k, m_k)
-            y_k, y_b = k_lo, b_lo
-            dx_q = tl.zeros([HALF, BK], dtype=tl.float32)
-            dx_a = tl.zeros([HALF, BK], dtype=tl.float32)
-            dy_k, dy_b = dk_lo, db_lo
+            c, m_r, row, ra, col = c_lo, m_lo, r_lo, ra_lo, 0
             e_g = tl.exp(-g_lo)
-            col = 0
-        ex_a, ex_b, ey_a, ey_b = diag_factors(c, o_r, HALF)
-        xa = x_a * e_g
         dQK = _load_block(dAqk, ra, H, BT, o_r, m_r, col)
         dQB = _load_block(dAqb, ra, H, BT, o_r, m_r, col)
         dAK = _load_block(dAak, ra, H, BT, o_r, m_r, col)
         dAB = _load_block(dAab, ra, H, BT, o_r, m_r, col)
-        # The diagonal block's two dots, one after the other (fewer live tiles).
-        gq, ga, gk_, gb = _diag_part(dQK, dQB, dAK, dAB, x_q, xa, y_k, y_b, ex_a, ey_a,
-                                     DT, PRECISION)
-        dx_q += gq
-        dx_a += ga
-        dy_k += gk_
-        dy_b += gb
-        gq, ga, gk_, gb = _diag_part(dQK, dQB, dAK, dAB, x_q, xa, y_k, y_b, ex_b, ey_b,
-                                     DT, PRECISION)
-        dx_q += gq
-        dx_a += ga
-        dy_k += gk_
-        dy_b += gb
-        dx_a = dx_a * e_g
+
+        y_k = load_rows(k, row, H, K, o_r, m_r, o_k, m_k)
+        y_b = load_rows(b, row, H, K, o_r, m_r, o_k, m_k)
+        dx_q, dx_a = _diag_rows(dQK, dQB, dAK, dAB, y_k, y_b, c, o_r, HALF, DT, PRECISION)
+        x_q = load_rows(q, row, H, K, o_r, m_r, o_k, m_k)
+        x_a = load_rows(a, row, H, K, o_r, m_r, o_k, m_k)
+        if i == 0:
+            # Rows 32..63 through the lower half's keys; their gated queries kept for
+            # the lower half's keys.
+            ex_o = tl.exp(c_hi - r31[None, :])
+            ey_o = tl.exp(r31[None, :] - c_lo)
+            ko = load_rows(k, r_lo, H, K, o_r, m_lo, o_k, m_k) * ey_o
+            bo = load_rows(b, r_lo, H, K, o_r, m_lo, o_k, m_k) * ey_o
+            oQK = _load_block(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
+            oQB = _load_block(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
+            oAK = _load_block(dAak, ra_hi, H, BT, o_r, m_hi, 0)
+            oAB = _load_block(dAab, ra_hi, H, BT, o_r, m_hi, 0)
+            dx_q += (_mm(oQK, ko, DT, PRECISION) + _mm(oQB, bo, DT, PRECISION)) * ex_o
+            dx_a += (_mm(oAK, ko, DT, PRECISION) + _mm(oAB, bo, DT, PRECISION)) * ex_o
+            qo = (x_q * ex_o).to(DT)
+            ao = (x_a * e_g * ex_o).to(DT)
         t_q = _finish(dx_q, pq, dq, row, H, K, o_r, m_r, o_k, m_k)
-        t_a = _finish(dx_a, pa, da, row, H, K, o_r, m_r, o_k, m_k)
+        t_a = _finish(dx_a * e_g, pa, da, row, H, K, o_r, m_r, o_k, m_k)
+        ada = x_a * t_a
+        term = x_q * t_q + ada
+
+        dy_k, dy_b = _diag_cols(_load_block_t(dAqk, ra, H, BT, o_r, m_r, col),
+                                _load_block_t(dAqb, ra, H, BT, o_r, m_r, col),
+                                _load_block_t(dAak, ra, H, BT, o_r, m_r, col),
+                                _load_block_t(dAab, ra, H, BT, o_r, m_r, col),
+                                x_q, x_a * e_g, c, o_r, HALF, DT, PRECISION)
+        if i == 1:
+            # Rows 0..31 as keys of the upper half's queries (the same dA blocks again).
+            ey_o = tl.exp(r31[None, :] - c_lo)
+            tQK = _load_block_t(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
+            tQB = _load_block_t(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
+            tAK = _load_block_t(dAak, ra_hi, H, BT, o_r, m_hi, 0)
+            tAB = _load_block_t(dAab, ra_hi, H, BT, o_r, m_hi, 0)
+            dy_k += (_mm(tQK, qo, DT, PRECISION) + _mm(tAK, ao, DT, PRECISION)) * ey_o
+            dy_b += (_mm(tQB, qo, DT, PRECISION) + _mm(tAB, ao, DT, PRECISION)) * ey_o
         t_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
         t_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
-        ada = x_a * t_a
-        term = x_q * t_q - y_b * t_b - y_k * t_k + ada
+        term -= (load_rows(k, row, H, K, o_r, m_r, o_k, m_k) * t_k
+                 + load_rows(b, row, H, K, o_r, m_r, o_k, m_k) * t_b)
         b_dg = tl.cumsum(term, axis=0, reverse=True) + (carry + b_off)[None, :] - ada
         carry += tl.sum(term, axis=0)
         p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]

@@ -39,7 +39,7 @@ from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_dplr_fwd_intra", "CHUNK_SIZE", "row_of", "load_rows", "half_gates",
-           "dot_precision_of", "dot_args"]
+           "diag_factor_pair", "diag_factors", "dot_precision_of", "dot_args"]
 
 CHUNK_SIZE = 64
 HALF = 32
@@ -90,19 +90,31 @@ def half_gates(gk, row0, H: tl.constexpr, K: tl.constexpr, o_r, m_lo, m_hi, o_k,
 
 
 @triton.jit
-def diag_factors(c, o_r, HALF: tl.constexpr):
-    """Exponential factors of one 32×32 diagonal block (see the module docstring):
-    (ex_a, ex_b, ey_a, ey_b) with ex = e^{γ − r}, ey = e^{r − γ} at r = γ of rows 7
-    and 23; ex_b is zero on rows 0..15, ey_a on rows 16..31, ey_b on rows 0..15. The
-    factor for γ⁻ = γ − gk is ex · e^{−gk} (one step of gate)."""
+def diag_factor_pair(c, o_r, HALF: tl.constexpr, SECOND: tl.constexpr):
+    """Exponential factors ``(ex, ey)`` of one of a 32×32 diagonal block's two dots (see
+    the module docstring): the first (``SECOND`` false) at r = γ of row 7, ex on every
+    row and ey zero on rows 16..31; the second at r = γ of row 23, both zero on rows
+    0..15. ex = e^{γ − r}, ey = e^{r − γ}; the factor for γ⁻ = γ − gk is ex · e^{−gk}
+    (one step of gate)."""
     Q: tl.constexpr = HALF // 4
-    ra = row_of(c, o_r, Q - 1)
-    rb = row_of(c, o_r, 3 * Q - 1)
     lo = (o_r < 2 * Q)[:, None]
-    ex_a = tl.exp(c - ra[None, :])
-    ex_b = tl.where(lo, 0.0, tl.exp(tl.where(lo, 0.0, c - rb[None, :])))
-    ey_a = tl.where(lo, tl.exp(tl.where(lo, ra[None, :] - c, 0.0)), 0.0)
-    ey_b = tl.where(lo, 0.0, tl.exp(rb[None, :] - c))
+    if SECOND:
+        r = row_of(c, o_r, 3 * Q - 1)
+        ex = tl.where(lo, 0.0, tl.exp(tl.where(lo, 0.0, c - r[None, :])))
+        ey = tl.where(lo, 0.0, tl.exp(r[None, :] - c))
+    else:
+        r = row_of(c, o_r, Q - 1)
+        ex = tl.exp(c - r[None, :])
+        ey = tl.where(lo, tl.exp(tl.where(lo, r[None, :] - c, 0.0)), 0.0)
+    return ex, ey
+
+
+@triton.jit
+def diag_factors(c, o_r, HALF: tl.constexpr):
+    """Both dots' factors of one 32×32 diagonal block: (ex_a, ex_b, ey_a, ey_b), see
+    :func:`diag_factor_pair`."""
+    ex_a, ey_a = diag_factor_pair(c, o_r, HALF, False)
+    ex_b, ey_b = diag_factor_pair(c, o_r, HALF, True)
     return ex_a, ex_b, ey_a, ey_b
 
 
