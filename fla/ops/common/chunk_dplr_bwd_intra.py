@@ -167,6 +167,12 @@ def chunk_dplr_bwd_intra_kernel(
             c, m_r, row, ra, col = c_hi, m_hi, r_hi, ra_hi, HALF
             e_g = tl.exp(-g_hi)
         else:
+            # The lower half's gates again (cheaper than holding them through the upper's).
+            g_lo = load_rows(gk, r_lo, H, K, o_r, m_lo, o_k, m_k)
+            c_lo = tl.cumsum(g_lo, axis=0)
+            # The lower half's gates again (cheaper than holding them through the upper's).
+            g_lo = load_rows(gk, r_lo, H, K, o_r, m_lo, o_k, m_k)
+            c_lo = tl.cumsum(g_lo, axis=0)
             c, m_r, row, ra, col = c_lo, m_lo, r_lo, ra_lo, 0
             e_g = tl.exp(-g_lo)
         dQK = _load_block(dAqk, ra, H, BT, o_r, m_r, col)
