@@ -19,9 +19,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_h import (
     chunk_gates,
-    chunk_gates_t,
     chunk_tokens,
-    chunk_tokens_t,
     state_pass_default,
     state_pass_space,
 )
@@ -78,27 +76,25 @@ def chunk_dplr_bwd_dhu_kernel(
         to_end = tl.exp(last[None, :] - c)
         b_do = chunk_tokens(do, rv, V, H, o_t, m_t, o_v, m_v)
         b_b = chunk_tokens(b, rk, K, H, o_t, m_t, o_k, m_k) * to_end
-        # The matrices and the gated q and a enter their dots transposed: read so.
-        b_du = scale * tl.dot(chunk_tokens_t(Aqb, ra, BT, H, o_t, m_t, o_t, m_a), b_do,
-                              input_precision=PRECISION)
+        b_Aqb = chunk_tokens(Aqb, ra, BT, H, o_t, m_t, o_t, m_a)
+        b_du = scale * tl.dot(tl.trans(b_Aqb), b_do, input_precision=PRECISION)
         b_du += tl.dot(b_b, b_dS, input_precision=PRECISION)
-        b_dz = tl.dot(chunk_tokens_t(Ai, ra, BT, H, o_t, m_t, o_t, m_a), b_du,
-                      input_precision=PRECISION)
+        b_Ai = chunk_tokens(Ai, ra, BT, H, o_t, m_t, o_t, m_a)
+        b_dz = tl.dot(tl.trans(b_Ai), b_du, input_precision=PRECISION)
         p_tv = rv + o_t[:, None].to(tl.int64) * (H * V) + o_v[None, :]
         tl.store(dz + p_tv, b_dz, mask=m_tv)
         b_k = chunk_tokens(k, rk, K, H, o_t, m_t, o_k, m_k) * to_end
-        b_dv = scale * tl.dot(chunk_tokens_t(Aqk, ra, BT, H, o_t, m_t, o_t, m_a), b_do,
-                              input_precision=PRECISION)
+        b_Aqk = chunk_tokens(Aqk, ra, BT, H, o_t, m_t, o_t, m_a)
+        b_Aak = chunk_tokens(Aak, ra, BT, H, o_t, m_t, o_t, m_a)
+        b_dv = scale * tl.dot(tl.trans(b_Aqk), b_do, input_precision=PRECISION)
         b_dv += tl.dot(b_k, b_dS, input_precision=PRECISION)
-        b_dv += tl.dot(chunk_tokens_t(Aak, ra, BT, H, o_t, m_t, o_t, m_a), b_dz,
-                       input_precision=PRECISION)
+        b_dv += tl.dot(tl.trans(b_Aak), b_dz, input_precision=PRECISION)
         tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        c_t, ce_t = chunk_gates_t(gk, rk, H, K, o_t, m_t, o_k, m_k)
-        b_qt = chunk_tokens_t(q, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(c_t) * scale
-        b_at = chunk_tokens_t(a, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(ce_t)
+        b_q = chunk_tokens(q, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(c) * scale
+        b_a = chunk_tokens(a, rk, K, H, o_t, m_t, o_k, m_k) * tl.exp(ce)
         b_dS = b_dS * tl.exp(last)[:, None]
-        b_dS += tl.dot(b_qt, b_do, input_precision=PRECISION)
-        b_dS += tl.dot(b_at, b_dz, input_precision=PRECISION)
+        b_dS += tl.dot(tl.trans(b_q), b_do, input_precision=PRECISION)
+        b_dS += tl.dot(tl.trans(b_a), b_dz, input_precision=PRECISION)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_s, b_dS, mask=m_s)
 

@@ -37,23 +37,6 @@ def chunk_tokens(x, row, W: tl.constexpr, H: tl.constexpr, o_t, m_t, o_c, m_c):
 
 
 @triton.jit
-def chunk_tokens_t(x, row, W: tl.constexpr, H: tl.constexpr, o_t, m_t, o_c, m_c):
-    """The transpose of :func:`chunk_tokens`' tile, [len(o_c), BT], read transposed from
-    memory: for the operands that the dots take transposed (with tf32 operands a
-    register transpose goes through shared memory, and its copies stay live)."""
-    p = x + row + o_t[None, :].to(tl.int64) * (H * W) + o_c[:, None]
-    return tl.load(p, mask=m_t[None, :] & m_c[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def chunk_gates_t(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k):
-    """:func:`chunk_gates`' γ and γ⁻, transposed ([BK, BT])."""
-    g = chunk_tokens_t(gk, row, K, H, o_t, m_t, o_k, m_k)
-    c = tl.cumsum(g, axis=1)
-    return c, c - g
-
-
-@triton.jit
 def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
                 BT: tl.constexpr):
     """γ (inclusive), γ⁻ (exclusive) chunk-local cumulative gates [BT, BK] and γ_C."""
