@@ -146,6 +146,23 @@ def test_defaults_stay_in_their_space_for_every_dtype(kernel, D, few):
             assert config.num_stages <= (3 if D >= 256 and kernel == "wy" else 2)
 
 
+@pytest.mark.parametrize("K, V", [(16, 16), (32, 32), (32, 64), (64, 32)])
+def test_wy_backward_keeps_narrow_sixteen_bit_heads_on_two_warps(K, V):
+    """On H100 / Triton 3.6 the WY backward faulted (illegal address) at every 4- and
+    8-warp config with K = V = 16 or 32 in fp16/bf16 (the DeltaNet layers' GPU tests,
+    head dim 16): there its default and every config of its space take 2 warps; wider
+    heads and fp32 keep the wgmma configs."""
+    from fla.ops.gated_delta_rule import wy_fast_bwd
+    for k in (BF16, torch.empty(1, dtype=torch.float16)):
+        args = dict(K=K, V=V, BT=64, k=k, A=k, USE_G=True)
+        assert wy_fast_bwd._wy_default(args).num_warps == 2
+        assert {c.num_warps for c in wy_fast_bwd._wy_space(args)} == {2}
+    for k, D in ((FP32, 16), (BF16, 64)):
+        args = dict(K=D, V=D, BT=64, k=k, A=k, USE_G=True)
+        assert wy_fast_bwd._wy_default(args).num_warps == 4
+        assert 4 in {c.num_warps for c in wy_fast_bwd._wy_space(args)}
+
+
 def test_grid_fill():
     assert grid_fill(192, SMS) == 0      # 1x8192x96 heads: two programs on some SMs
     assert grid_fill(133, SMS) == 0

@@ -32,6 +32,16 @@ from fla.utils.tuning import Config, tuned
 __all__ = ["prepare_wy_repr_bwd", "prepare_wy_repr_bwd_kernel"]
 
 
+def _narrow_sixteen_bit(args) -> bool:
+    """K or V at most 32 (one 32-wide tile) with 16-bit operands: on H100 with Triton 3.6
+    every 4- and 8-warp config of this kernel faults with an illegal address there
+    (2026-11-26, each config in its own process under CUDA_LAUNCH_BLOCKING: K = V = 16
+    and 32, fp16 and bf16, T = 128 and 150; 8 warps only at T = 150; K = 48 and 64,
+    with 32- or 64-wide tiles, run at 4 warps). 2 warps (no wgmma) run: the space keeps
+    only them."""
+    return sixteen_bit(args) and min(args["K"], args["V"]) <= 32
+
+
 def _wy_default(args) -> Config:
     # Tinv, dTinv and K Kᵀ are three BT×BT fp32 tiles held across the loops: [BT, 64]
     # operand tiles and 4 warps keep the program inside the H100 register file.
@@ -40,14 +50,15 @@ def _wy_default(args) -> Config:
     # 0.79 -> 0.68 at 1x8192x96x128, 0.52 -> 0.45 at 2x16384x16x128, 0.138 -> 0.121 at
     # 4x2048x16x128; K = 64 even at 8x1024x8x64 (config sweeps, 2026-11-26). fp32
     # operands below K = 256 keep two (twice the shared memory a stage).
-    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64), num_warps=4,
+    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64),
+                  num_warps=2 if _narrow_sixteen_bit(args) else 4,
                   num_stages=3 if args["K"] >= 256 or sixteen_bit(args) else 2)
 
 
 def _wy_space(args) -> list[Config]:
     bks = sorted({tile_width(args["K"], b) for b in (32, 64)})
     bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
-    warps = warp_choices(stmatrix_prone=True)
+    warps = (2,) if _narrow_sixteen_bit(args) else warp_choices(stmatrix_prone=True)
     return [Config(BK=bk, BV=bv, num_warps=w, num_stages=s)
             for bk in bks for bv in bvs for w in warps for s in (2, 3)]
 
