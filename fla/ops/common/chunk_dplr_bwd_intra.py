@@ -65,34 +65,34 @@ def _mm(x, y, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _diag_rows(dQK, dQB, dAK, dAB, y_k, y_b, c, o_r, HALF: tl.constexpr,
-               DT: tl.constexpr, PRECISION: tl.constexpr):
-    """Row-side gradients through a diagonal block, both its dots: the (dq,
-    d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}."""
-    gq = tl.zeros_like(y_k)
-    ga = tl.zeros_like(y_k)
-    for part in tl.static_range(2):
-        ex, ey = diag_factor_pair(c, o_r, HALF, part == 1)
-        ke, be = y_k * ey, y_b * ey
-        gq += (_mm(dQK, ke, DT, PRECISION) + _mm(dQB, be, DT, PRECISION)) * ex
-        ga += (_mm(dAK, ke, DT, PRECISION) + _mm(dAB, be, DT, PRECISION)) * ex
-    return gq, ga
+def _pair(m11, m12, m21, m22, u, w, f, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """``((m11 u + m12 w) ⊙ f, (m21 u + m22 w) ⊙ f)``: two gradients through four score
+    blocks sharing their operands."""
+    return ((_mm(m11, u, DT, PRECISION) + _mm(m12, w, DT, PRECISION)) * f,
+            (_mm(m21, u, DT, PRECISION) + _mm(m22, w, DT, PRECISION)) * f)
 
 
 @triton.jit
-def _diag_cols(tQK, tQB, tAK, tAB, x_q, xa, c, o_r, HALF: tl.constexpr,
+def _diag_side(m11, m12, m21, m22, u, w, c, o_r, HALF: tl.constexpr, ROWS: tl.constexpr,
                DT: tl.constexpr, PRECISION: tl.constexpr):
-    """Column-side gradients through a diagonal block, both its dots: the (dk, db)
-    contributions Σ_t dA[t,s] x_t e^{γ_t − γ_s} (``xa`` = a e^{−gk}; ``tQK`` … the
-    transposed blocks)."""
-    gk = tl.zeros_like(x_q)
-    gb = tl.zeros_like(x_q)
+    """One side's gradients through a diagonal block, summed over its two dots:
+    ``((m11 û + m12 ŵ) ⊙ f_out, (m21 û + m22 ŵ) ⊙ f_out)``, û = u ⊙ f_in, ŵ = w ⊙ f_in.
+    Row side (``ROWS``): the dA blocks (qk, qb, ak, ab), u, w = k, b, f_in = ey, f_out =
+    ex: the (dq, d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}. Column side:
+    the transposed blocks (qk, ak, qb, ab), u, w = q, a e^{−gk}, f_in = ex, f_out = ey:
+    the (dk, db) contributions Σ_t dA[t,s] x_t e^{γ_t − γ_s}."""
+    o1 = tl.zeros_like(u)
+    o2 = tl.zeros_like(u)
     for part in tl.static_range(2):
         ex, ey = diag_factor_pair(c, o_r, HALF, part == 1)
-        qe, ae = x_q * ex, xa * ex
-        gk += (_mm(tQK, qe, DT, PRECISION) + _mm(tAK, ae, DT, PRECISION)) * ey
-        gb += (_mm(tQB, qe, DT, PRECISION) + _mm(tAB, ae, DT, PRECISION)) * ey
-    return gk, gb
+        if ROWS:
+            f_in, f_out = ey, ex
+        else:
+            f_in, f_out = ex, ey
+        g1, g2 = _pair(m11, m12, m21, m22, u * f_in, w * f_in, f_out, DT, PRECISION)
+        o1 += g1
+        o2 += g2
+    return o1, o2
 
 
 @triton.jit
@@ -109,6 +109,23 @@ def _load_block_t(dA, row0, H: tl.constexpr, BT: tl.constexpr, o_r, m_r, col0):
     loaded once for both sides went through shared memory and spilled)."""
     p = dA + row0 + o_r[None, :].to(tl.int64) * (H * BT) + col0 + o_r[:, None]
     return tl.load(p, mask=m_r[None, :], other=0.0)
+
+
+@triton.jit
+def _blocks(dAqk, dAqb, dAak, dAab, row0, H: tl.constexpr, BT: tl.constexpr, o_r, m_r,
+            col0, COLUMNS: tl.constexpr):
+    """The four dA blocks at (row0, col0) as :func:`_pair` takes them: for the row side
+    (qk, qb, ak, ab); for the column side (``COLUMNS``) their transposes, read so, in the
+    order (qk, ak, qb, ab)."""
+    if COLUMNS:
+        return (_load_block_t(dAqk, row0, H, BT, o_r, m_r, col0),
+                _load_block_t(dAak, row0, H, BT, o_r, m_r, col0),
+                _load_block_t(dAqb, row0, H, BT, o_r, m_r, col0),
+                _load_block_t(dAab, row0, H, BT, o_r, m_r, col0))
+    return (_load_block(dAqk, row0, H, BT, o_r, m_r, col0),
+            _load_block(dAqb, row0, H, BT, o_r, m_r, col0),
+            _load_block(dAak, row0, H, BT, o_r, m_r, col0),
+            _load_block(dAab, row0, H, BT, o_r, m_r, col0))
 
 
 @triton.jit
@@ -168,14 +185,11 @@ def chunk_dplr_bwd_intra_kernel(
             c_lo = tl.cumsum(g_lo, axis=0)
             c, m_r, row, ra, col = c_lo, m_lo, r_lo, ra_lo, 0
             e_g = tl.exp(-g_lo)
-        dQK = _load_block(dAqk, ra, H, BT, o_r, m_r, col)
-        dQB = _load_block(dAqb, ra, H, BT, o_r, m_r, col)
-        dAK = _load_block(dAak, ra, H, BT, o_r, m_r, col)
-        dAB = _load_block(dAab, ra, H, BT, o_r, m_r, col)
-
+        b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra, H, BT, o_r, m_r, col, False)
         y_k = load_rows(k, row, H, K, o_r, m_r, o_k, m_k)
         y_b = load_rows(b, row, H, K, o_r, m_r, o_k, m_k)
-        dx_q, dx_a = _diag_rows(dQK, dQB, dAK, dAB, y_k, y_b, c, o_r, HALF, DT, PRECISION)
+        dx_q, dx_a = _diag_side(b11, b12, b21, b22, y_k, y_b, c, o_r, HALF, True, DT,
+                                PRECISION)
         x_q = load_rows(q, row, H, K, o_r, m_r, o_k, m_k)
         x_a = load_rows(a, row, H, K, o_r, m_r, o_k, m_k)
         if i == 0:
@@ -185,12 +199,11 @@ def chunk_dplr_bwd_intra_kernel(
             ey_o = tl.exp(r31[None, :] - c_lo)
             ko = load_rows(k, r_lo, H, K, o_r, m_lo, o_k, m_k) * ey_o
             bo = load_rows(b, r_lo, H, K, o_r, m_lo, o_k, m_k) * ey_o
-            oQK = _load_block(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
-            oQB = _load_block(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
-            oAK = _load_block(dAak, ra_hi, H, BT, o_r, m_hi, 0)
-            oAB = _load_block(dAab, ra_hi, H, BT, o_r, m_hi, 0)
-            dx_q += (_mm(oQK, ko, DT, PRECISION) + _mm(oQB, bo, DT, PRECISION)) * ex_o
-            dx_a += (_mm(oAK, ko, DT, PRECISION) + _mm(oAB, bo, DT, PRECISION)) * ex_o
+            b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra_hi, H, BT, o_r, m_hi, 0,
+                                         False)
+            g_q, g_a = _pair(b11, b12, b21, b22, ko, bo, ex_o, DT, PRECISION)
+            dx_q += g_q
+            dx_a += g_a
             qo = (x_q * ex_o).to(DT)
             ao = (x_a * e_g * ex_o).to(DT)
         t_q = _finish(dx_q, pq, dq, row, H, K, o_r, m_r, o_k, m_k)
@@ -198,20 +211,17 @@ def chunk_dplr_bwd_intra_kernel(
         ada = x_a * t_a
         term = x_q * t_q + ada
 
-        dy_k, dy_b = _diag_cols(_load_block_t(dAqk, ra, H, BT, o_r, m_r, col),
-                                _load_block_t(dAqb, ra, H, BT, o_r, m_r, col),
-                                _load_block_t(dAak, ra, H, BT, o_r, m_r, col),
-                                _load_block_t(dAab, ra, H, BT, o_r, m_r, col),
-                                x_q, x_a * e_g, c, o_r, HALF, DT, PRECISION)
+        b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra, H, BT, o_r, m_r, col, True)
+        dy_k, dy_b = _diag_side(b11, b12, b21, b22, x_q, x_a * e_g, c, o_r, HALF, False, DT,
+                                PRECISION)
         if i == 1:
             # Rows 0..31 as keys of the upper half's queries (the same dA blocks again).
             ey_o = tl.exp(r31[None, :] - c_lo)
-            tQK = _load_block_t(dAqk, ra_hi, H, BT, o_r, m_hi, 0)
-            tQB = _load_block_t(dAqb, ra_hi, H, BT, o_r, m_hi, 0)
-            tAK = _load_block_t(dAak, ra_hi, H, BT, o_r, m_hi, 0)
-            tAB = _load_block_t(dAab, ra_hi, H, BT, o_r, m_hi, 0)
-            dy_k += (_mm(tQK, qo, DT, PRECISION) + _mm(tAK, ao, DT, PRECISION)) * ey_o
-            dy_b += (_mm(tQB, qo, DT, PRECISION) + _mm(tAB, ao, DT, PRECISION)) * ey_o
+            b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra_hi, H, BT, o_r, m_hi, 0,
+                                         True)
+            g_k, g_b = _pair(b11, b12, b21, b22, qo, ao, ey_o, DT, PRECISION)
+            dy_k += g_k
+            dy_b += g_b
         t_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
         t_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
         term -= (load_rows(k, row, H, K, o_r, m_r, o_k, m_k) * t_k
