@@ -40,13 +40,20 @@ def _default(args) -> Config:
     # 4x4096x32x64 on H100, against 15.5 with the 8-warp configs chosen offline for
     # their spills; 8 warps: 182 registers, one program an SM). Re-timed 2026-11-26:
     # 0.95 ms (fwd+bwd 10.54 ms with the other restored defaults).
+    # Above K = 128 that config needs 256 KB of shared memory (offline sm_90), more than
+    # an SM has: the tuning layer skipped it, with a warning, at every first call. There
+    # one stage at 8 warps (96 KB; 1.3 KB of stack a thread against 4.3 KB at 4 warps),
+    # not timed.
+    if args["K"] > 128:
+        return Config(BV=tile_width(args["V"], 64), num_warps=8, num_stages=1)
     return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=2)
 
 
 def _space(args) -> list[Config]:
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
+    # Two stages of 64-column tiles do not fit an SM above K = 128 (see _default).
     return [Config(BV=bv, num_warps=w, num_stages=s) for bv in widths for w in (4, 8)
-            for s in (1, 2)]
+            for s in (1, 2) if not (bv == 64 and s == 2 and args["K"] > 128)]
 
 
 @triton.jit
