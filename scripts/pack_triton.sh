@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Packs a Triton release small enough to travel with a device call (64 MiB in all), so
+# that the GPU tests can run on a release other than the device's own:
+#
+#     bash scripts/pack_triton.sh 3.3.1 [PYTHON_VERSION]    # -> .whl/triton-3.3.1.tar.xz
+#
+# The wheel (~150 MB, 540 MB installed) is cut to what compiling and launching kernels
+# needs: libtriton.so stripped of its debug sections (323 -> 127 MB; the dynamic symbols
+# Python loads stay), its own ptxas (an older Triton cannot read a newer CUDA's version:
+# 3.3.1 knows CUDA up to 12.x), libdevice and the CUDA headers for its launcher. Left out:
+# CUPTI and the profiler, the instrumentation libraries, nvdisasm, cuobjdump, the
+# Blackwell ptxas and the AMD backend. xz -9 then gives ~35 MB for 3.3.1.
+# PYTHON_VERSION is the device's (3.12: KINDS.md). On the device:
+#     bash scripts/gpu_other_triton.sh 3.3.1 FILE ... [-- PYTEST ARGS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION="$1"
+PY="${2:-3.12}"
+TAG="cp${PY/./}"
+WORK=$(mktemp -d /tmp/pack-triton.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+pip download -q --no-deps --only-binary=:all: --python-version "$PY" \
+    --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+    "triton==$VERSION" -d "$WORK"
+mkdir "$WORK/x"
+unzip -q "$WORK"/triton-"$VERSION"-"$TAG"-*.whl -d "$WORK/x"
+T="$WORK/x/triton"
+rm -rf "$T/backends/nvidia/lib/cupti" "$T/instrumentation" "$T/_C/libproton.so" \
+    "$T/profiler" "$T/backends/amd" "$T/backends/nvidia/bin/ptxas-blackwell" \
+    "$T/backends/nvidia/bin/nvdisasm" "$T/backends/nvidia/bin/cuobjdump"
+strip --strip-unneeded "$T/_C/libtriton.so"
+mkdir -p .whl
+tar cf - -C "$WORK/x" . | xz -9 -T0 > ".whl/triton-$VERSION.tar.xz"
+ls -la ".whl/triton-$VERSION.tar.xz"
