@@ -31,6 +31,8 @@ done
 summary=()
 for f in "${files[@]}"; do
     name=$(basename "${f%%::*}" .py)
+    # A selector gets a log of its own (FILE::test_a and FILE::test_b both run).
+    [ "$f" != "${f%%::*}" ] && name="${name}_$(printf '%s' "${f#*::}" | tr -c 'A-Za-z0-9_.-' '_')"
     log="$OUT/tests_${name}.log"
     timeout -k 10 "$PER_FILE" python3 -m pytest -p no:cacheprovider -v --tb=short \
         -m "$MARK" "$f" "${extra[@]}" > "$log" 2>&1

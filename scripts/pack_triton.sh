@@ -5,11 +5,12 @@
 #     bash scripts/pack_triton.sh 3.3.1 [PYTHON_VERSION]    # -> .whl/triton-3.3.1.tar.xz
 #
 # The wheel (~150 MB, 540 MB installed) is cut to what compiling and launching kernels
-# needs: libtriton.so stripped of its debug sections (323 -> 127 MB; the dynamic symbols
-# Python loads stay), its own ptxas (an older Triton cannot read a newer CUDA's version:
-# 3.3.1 knows CUDA up to 12.x), libdevice and the CUDA headers for its launcher. Left out:
-# CUPTI and the profiler, the instrumentation libraries, nvdisasm, cuobjdump, the
-# Blackwell ptxas and the AMD backend. xz -9 then gives ~35 MB for 3.3.1.
+# needs on an H100: libtriton.so stripped of its debug sections (323 -> 127 MB for 3.3.1;
+# the dynamic symbols Python loads stay), the ptxas it runs for sm_90 (its own: an older
+# Triton cannot read a newer CUDA's version, 3.3.1 knows CUDA up to 12.x), libdevice and
+# the CUDA headers for its launcher. Left out: CUPTI and the profiler, the instrumentation
+# libraries, nvdisasm, cuobjdump, the other ptxas and the AMD backend. xz -9 then gives
+# ~35 MB for 3.3.1, ~50 MB for 3.9.0.
 # PYTHON_VERSION is the device's (3.12: KINDS.md). On the device:
 #     bash scripts/gpu_other_triton.sh 3.3.1 FILE ... [-- PYTEST ARGS]
 set -euo pipefail
@@ -25,10 +26,20 @@ pip download -q --no-deps --only-binary=:all: --python-version "$PY" \
 mkdir "$WORK/x"
 unzip -q "$WORK"/triton-"$VERSION"-"$TAG"-*.whl -d "$WORK/x"
 T="$WORK/x/triton"
-rm -rf "$T/backends/nvidia/lib/cupti" "$T/instrumentation" "$T/_C/libproton.so" \
-    "$T/profiler" "$T/backends/amd" "$T/backends/nvidia/bin/ptxas-blackwell" \
-    "$T/backends/nvidia/bin/nvdisasm" "$T/backends/nvidia/bin/cuobjdump"
+rm -rf "$T"/backends/nvidia/lib/cupti* "$T/instrumentation" "$T/_C/libproton.so" \
+    "$T/profiler" "$T/backends/amd" "$T/backends/nvidia/bin/nvdisasm" \
+    "$T/backends/nvidia/bin/cuobjdump"
+# The ptxas that compiles for sm_90: up to 3.5 or so "ptxas" ("ptxas-blackwell" only from
+# sm_100 on); in later releases (3.9: `if arch < 90: ptxas`) "ptxas-blackwell" from sm_90.
+if grep -q "arch < 90" "$T/backends/nvidia/compiler.py"; then
+    rm -f "$T/backends/nvidia/bin/ptxas"
+else
+    rm -f "$T/backends/nvidia/bin/ptxas-blackwell"
+fi
 strip --strip-unneeded "$T/_C/libtriton.so"
+# Newer releases find their backends through the dist-info's entry points: drop AMD's.
+sed -i '/^amd *= *triton.backends.amd/d' "$WORK"/x/triton-"$VERSION".dist-info/entry_points.txt \
+    2>/dev/null || true
 mkdir -p .whl
 tar cf - -C "$WORK/x" . | xz -9 -T0 > ".whl/triton-$VERSION.tar.xz"
 ls -la ".whl/triton-$VERSION.tar.xz"

@@ -218,3 +218,24 @@ class _NoLaunch:
 
     def __getitem__(self, grid):
         return lambda **kwargs: None
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_dv_local_leaves_four_warps_at_wide_heads_where_triton_miscomputes_them(
+        monkeypatch, ok):
+    """Triton 3.9 on H100 gave non-finite dv from chunk_bwd_dv_local at K = 256 with 4
+    warps: where the fact says so, neither its default nor its space holds a 4-warp
+    config above K = 128; up to K = 128, and on the releases that compute them right,
+    the measured 4-warp default stays."""
+    from fla.ops.common import chunk_o_bwd
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "FOUR_WARP_WIDE_DV_LOCAL_OK", ok)
+    for K in (64, 128, 192, 256):
+        args = dict(K=K, V=K, BT=64, q=BF16, USE_G=True)
+        default = chunk_o_bwd._dv_local_default(args)
+        warps = {c.num_warps for c in chunk_o_bwd._dv_local_space(args)}
+        assert default in chunk_o_bwd._dv_local_space(args)
+        if K > 128 and not ok:
+            assert default.num_warps == 8 and 4 not in warps, (K, default, warps)
+        else:
+            assert default.num_warps == 4 and 4 in warps, (K, default, warps)

@@ -20,6 +20,7 @@ import triton.language as tl
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
 from fla.utils.grid import cdiv
+from fla.utils import triton_facts
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
@@ -27,19 +28,29 @@ __all__ = ["chunk_bwd_dv_local", "chunk_bwd_dv_local_kernel", "chunk_bwd_dqkwg",
            "chunk_bwd_dqkwg_kernel"]
 
 
+def _dv_local_warps(args) -> tuple[int, ...]:
+    # Above K = 128, 4 warps only where this Triton computes them right
+    # (triton_facts.FOUR_WARP_WIDE_DV_LOCAL_OK).
+    if args["K"] > 128 and not triton_facts.FOUR_WARP_WIDE_DV_LOCAL_OK:
+        return (2, 8)
+    return (2, 4, 8)
+
+
 def _dv_local_default(args) -> Config:
     # BT×BT fp32 scores plus one [BT, 64] 16-bit operand pair per step fit 4 warps on H100.
     # K = 256: 3 stages (FLA_TUNE=1 on H100, Triton 3.6, bf16, 2026-11-24: 0.062 -> 0.054
-    # ms at 4x4096x4x256, 0.414 -> 0.370 at 8x2048x32x256).
-    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64), num_warps=4,
-                  num_stages=3 if args["K"] >= 256 else 2)
+    # ms at 4x4096x4x256, 0.414 -> 0.370 at 8x2048x32x256); 8 warps where 4 are wrong (not
+    # timed; correct on Triton 3.9, H100).
+    warps = 4 if 4 in _dv_local_warps(args) else 8
+    return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64),
+                  num_warps=warps, num_stages=3 if args["K"] >= 256 else 2)
 
 
 def _dv_local_space(args) -> list[Config]:
     bks = sorted({tile_width(args["K"], b) for b in (32, 64)})
     bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
     return [Config(BK=bk, BV=bv, num_warps=w, num_stages=s)
-            for bk in bks for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
+            for bk in bks for bv in bvs for w in _dv_local_warps(args) for s in (2, 3)]
 
 
 @tuned(key=["q", "K", "V", "BT", "USE_G"], default=_dv_local_default, space=_dv_local_space)
