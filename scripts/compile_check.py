@@ -176,8 +176,7 @@ class OfflineCompiler:
         t0 = time.perf_counter()
         try:
             compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=self.target,
-                                      options={"num_warps": config.num_warps,
-                                               "num_stages": config.num_stages})
+                                      options=config.options())
         except Exception as error:  # noqa: BLE001 - report every failure
             self.failures += 1
             print(f"FAIL  {label}: {type(error).__name__}: {str(error)[:1500]}", flush=True)

@@ -66,8 +66,58 @@ def test_config_equality_hash_and_json():
     assert a != Config(BK=64, BV=32, num_stages=3)
     assert list(a.meta) == ["BK", "BV"]
     assert Config.from_json(json.loads(json.dumps(a.to_json()))) == a
-    assert a.launch_kwargs() == {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 2}
+    assert a.launch_kwargs() == {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 2,
+                                 "enable_fp_fusion": True}
+    assert a.options() == {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": True}
     assert str(a) == "Config(BK=64, BV=32, num_warps=4, num_stages=2)"
+
+
+# A kernel built offline for sm_90 with a config's options; prints each warning's text.
+_OFFLINE_BUILD = """
+import warnings
+warnings.simplefilter("always")
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fla.utils.tuning import Config
+
+@triton.jit
+def axpy(x, y, a, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y + o, a * tl.load(x + o, mask=m) + tl.load(y + o, mask=m), mask=m)
+
+with warnings.catch_warnings(record=True) as seen:
+    k = triton.compile(ASTSource(axpy, {"x": "*fp32", "y": "*fp32", "a": "fp32", "n": "i32",
+                                        "BLOCK": "constexpr"}, {"BLOCK": 128}),
+                       target=GPUTarget("cuda", 90, 32), options=Config(BLOCK=128).options())
+print("fma" if "fma.rn.f32" in k.asm["ptx"] else "no fma")
+for w in seen:
+    print("warning:", w.message)
+"""
+
+
+def test_kernels_ask_for_fused_multiply_adds_explicitly(tmp_path):
+    """Triton 3.10 builds without fused multiply-adds unless a kernel asks (3.9 warns on
+    every first build that leaves it to the default): our configs ask, so the numerics and
+    speed measured stay, and no warning reaches the user. Offline sm_90 build of a·x + y in a
+    subprocess (the tests run Triton in the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    script = tmp_path / "offline_build.py"      # Triton reads a kernel's source file
+    script.write_text(_OFFLINE_BUILD)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "fma", proc.stdout
+    assert "FP_FUSION" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 def test_tuning_enabled_and_cache_dir(monkeypatch, tmp_path):
