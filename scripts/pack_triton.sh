@@ -29,8 +29,8 @@ T="$WORK/x/triton"
 rm -rf "$T"/backends/nvidia/lib/cupti* "$T/instrumentation" "$T/_C/libproton.so" \
     "$T/profiler" "$T/backends/amd" "$T/backends/nvidia/bin/nvdisasm" \
     "$T/backends/nvidia/bin/cuobjdump"
-# The ptxas that compiles for sm_90: up to 3.5 or so "ptxas" ("ptxas-blackwell" only from
-# sm_100 on); in later releases (3.9: `if arch < 90: ptxas`) "ptxas-blackwell" from sm_90.
+# The ptxas that compiles for sm_90: "ptxas" up to 3.8 ("ptxas-blackwell" from sm_100
+# on); 3.9 runs "ptxas-blackwell" from sm_90 on (`if arch < 90: ptxas`).
 if grep -q "arch < 90" "$T/backends/nvidia/compiler.py"; then
     rm -f "$T/backends/nvidia/bin/ptxas"
 else

@@ -79,9 +79,9 @@ class Config:
         object.__setattr__(self, "_ident", ident)
         object.__setattr__(self, "_hash", hash(ident))
         # Fused multiply-adds asked for explicitly: every kernel's numerics and speed were
-        # measured with them, Triton 3.10 turns them off by default (3.9 warns about it on
-        # every first compile when the choice is left to it), and TRITON_FORCE_DISABLE_FP_FUSION
-        # still turns them off.
+        # measured with them, Triton 3.10 turns them off by default (3.9 warns about it
+        # on every first compile that leaves the choice to it), and
+        # TRITON_FORCE_DISABLE_FP_FUSION still turns them off.
         options = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                    "enable_fp_fusion": True}
         object.__setattr__(self, "_options", options)

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
-from fla.utils.grid import cdiv
 from fla.utils import triton_facts
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
 
