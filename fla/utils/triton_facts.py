@@ -15,10 +15,11 @@ Facts we rely on (and why they matter):
 * ``triton.autotune`` with several configs fails in the interpreter without a GPU
   driver; our tuning layer (``fla.utils.tuning``) never calls it.
 * Some releases have no direct bf16 -> fp16 conversion; kernels cast through fp32.
-* Triton 3.3's interpreter holds scalar kernel arguments as one-element arrays and turns
-  them into loop bounds with ``int()``, which NumPy 2 refuses ("only 0-dimensional
-  arrays can be converted"): interpreter runs on Triton 3.3 need NumPy < 2 (the whole
-  suite passed on Triton 3.3.1 with NumPy 1.26.4). Compiled kernels are unaffected.
+* The interpreter of Triton 3.3 to 3.6 holds scalar kernel arguments as one-element
+  arrays and turns them into loop bounds with ``int()``, which NumPy 2 refuses ("only
+  0-dimensional arrays can be converted"): interpreter runs there need NumPy < 2 (the
+  kernels' fp32 interpreter tests pass on 3.3.1, 3.4.0, 3.5.1 with NumPy 1.26.4, and on
+  3.7.1, 3.8.0, 3.9.0 with NumPy 2.4). Compiled kernels are unaffected.
 """
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ INTERPRETER_BF16_CAST_TRUNCATES: bool = True
 def is_interpreter() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels run on the CPU, in Python."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# See the module docstring: the interpreter before 3.7 cannot run with NumPy 2.
+INTERPRETER_NEEDS_NUMPY_1: bool = TRITON_VERSION < (3, 7)
+
+
+def interpreter_setup_problem() -> str | None:
+    """Why the interpreter cannot run kernels with this Triton and NumPy, or None: the
+    tuning layer adds it to its error when no config could be built."""
+    if not (is_interpreter() and INTERPRETER_NEEDS_NUMPY_1):
+        return None
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) < 2:
+        return None
+    return (f"Triton {TRITON_VERSION_STRING}'s interpreter (TRITON_INTERPRET=1) needs NumPy "
+            f"< 2, found {numpy.__version__}: install 'numpy<2' or Triton >= 3.7")
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,7 +54,12 @@ import torch
 
 from fla.utils.compile_ahead import recording
 from fla.utils.direct_launch import DirectLauncher, direct_launch_enabled
-from fla.utils.triton_facts import TRITON_VERSION_STRING, device_name, is_interpreter
+from fla.utils.triton_facts import (
+    TRITON_VERSION_STRING,
+    device_name,
+    interpreter_setup_problem,
+    is_interpreter,
+)
 
 __all__ = ["Config", "TunedKernel", "tuned", "tuning_enabled", "cache_dir"]
 
@@ -376,8 +381,10 @@ class TunedKernel:
                 self._verified.add((key, candidate))
             return result
         details = "\n".join(f"  {c}: {e[:500]}" for c, e in errors.items())
+        problem = interpreter_setup_problem()
         raise RuntimeError(f"{self.name}: no config could be built for key "
-                           f"{dict(zip(self.key, key))}:\n{details}")
+                           f"{dict(zip(self.key, key))}:\n{details}"
+                           + (f"\n{problem}" if problem else ""))
 
     # ------------------------------------------------------------------ tuning
     def _tune(self, key: tuple, named: Mapping[str, Any], grid) -> Config:

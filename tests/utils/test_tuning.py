@@ -231,6 +231,33 @@ def test_every_config_failing_raises_listing_them(kernel_device):
     assert str(BROKEN) in text and str(BROKEN_TOO) in text
     assert "power of 2" in text
     assert k.stats["skipped_configs"] == 2
+    assert "NumPy" not in text      # the interpreter's setup is not the problem here
+
+
+def test_the_failure_names_an_interpreter_that_cannot_run_with_this_numpy(monkeypatch):
+    """Triton 3.3-3.6's interpreter fails every kernel with NumPy 2 ("only 0-dimensional
+    arrays can be converted"): the tuning layer's error then says what to install."""
+    import numpy
+
+    import fla.utils.triton_facts as facts
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(facts, "INTERPRETER_NEEDS_NUMPY_1", True)
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    problem = facts.interpreter_setup_problem()
+    assert "needs NumPy < 2, found 2.4.6" in problem and "Triton >= 3.7" in problem
+    with monkeypatch.context() as m:
+        for needs, version in ((True, "1.26.4"), (False, "2.4.6")):
+            m.setattr(facts, "INTERPRETER_NEEDS_NUMPY_1", needs)
+            m.setattr(numpy, "__version__", version)
+            assert facts.interpreter_setup_problem() is None
+        m.setenv("TRITON_INTERPRET", "0")
+        assert facts.interpreter_setup_problem() is None
+    if torch.cuda.is_available():
+        pytest.skip("the tuning layer's part runs the interpreter: CPU tensors only")
+    k = make_tuned(lambda a: BROKEN, space=[BROKEN_TOO])
+    x = torch.randn(10)
+    with pytest.raises(RuntimeError, match=r"(?s)no config could be built.*needs NumPy < 2"):
+        k[grid](x, nan_like(x), 10, D=16)
 
 
 # =================================================================== c. keys are names
