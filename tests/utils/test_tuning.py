@@ -5,7 +5,11 @@
   ``do_bench`` whose timings are known, and ``is_interpreter``/``device_name`` patched.
 """
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,10 +106,6 @@ def test_kernels_ask_for_fused_multiply_adds_explicitly(tmp_path):
     every first build that leaves it to the default): our configs ask, so the numerics and
     speed measured stay, and no warning reaches the user. Offline sm_90 build of a·x + y in a
     subprocess (the tests run Triton in the interpreter)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items()
