@@ -9,7 +9,8 @@ For each case of :mod:`benchmarks.cases` (e.g. ``RMSNorm/16384x4096``) and mode 
   rest is launch latency / host work the GPU waits for),
 * the kernels of one step, longest first (torch.profiler, CUDA activity),
 * with ``--host``, the Python functions that take the host's time over 200 steps
-  (cProfile, by own time): what to cut when the kernels fill too little of the step;
+  (cProfile, by own and by cumulative time, the backward on the calling thread): what
+  to cut when the kernels fill too little of the step;
 * with ``--tune``, each kernel's whole tuning space timed at the case's keys (``FLA_TUNE=1``
   over a fresh cache: the medians above are then those of the fastest configs), and per
   key every config's time against the default rule's.
@@ -83,15 +84,23 @@ def profile(case, mode: str, steps: int, host: bool = False) -> None:
 
         runs = 200
         profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(runs):
-            _reset(prepared)
-            _step(prepared, mode, do)
-        profiler.disable()
+        # cProfile sees its own thread only: the backward runs on the calling thread here
+        # (autograd would run it on its device thread), so that it is counted too.
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            profiler.enable()
+            for _ in range(runs):
+                _reset(prepared)
+                _step(prepared, mode, do)
+            profiler.disable()
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
         torch.cuda.synchronize()
         stats = pstats.Stats(profiler)
-        print(f"  host: {1e6 * stats.total_tt / runs:.1f} us of Python per step; by own time:")
-        stats.sort_stats("tottime").print_stats(18)
+        print(f"  host: {1e6 * stats.total_tt / runs:.1f} us of Python per step (backward "
+              f"on the calling thread); by own time, then by cumulative time:")
+        stats.sort_stats("tottime").print_stats(22)
+        stats.sort_stats("cumulative").print_stats(30)
 
 
 def main(argv=None) -> int:

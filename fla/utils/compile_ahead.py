@@ -140,16 +140,16 @@ def _executor() -> ThreadPoolExecutor:
 
 
 _AS_IS = (bool, str, torch.dtype, type(None))
+_Tensor = torch.Tensor
 
 
 def _signature(value: Any) -> Any:
     """What decides which kernels a step compiles: dtypes, ranks, devices, the sizes past
     the (batch, time) dims and the flags; not B, T or counts, which change from call to
     call under varlen (a size that does change a kernel's specialization, like T's
-    divisibility by 16, only means that kernel compiles at its launch as usual). Every
-    call of a step computes this: the common cases come first."""
+    divisibility by 16, only means that kernel compiles at its launch as usual)."""
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.dim(), value.shape[2:], value.device)
+        return (value.dtype, value.shape[2:], value.dim(), value.get_device())
     if isinstance(value, _AS_IS):
         return value
     if isinstance(value, (tuple, list)):
@@ -158,6 +158,23 @@ def _signature(value: Any) -> Any:
             return "numbers"  # offsets and the like: their count varies with the batch
         return tuple(map(_signature, value))
     return type(value).__name__
+
+
+def _call_signature(args: tuple) -> tuple:
+    """:func:`_signature` of a step's argument tuple. Every call of every step computes
+    it: plain tensors, None and flags, the common arguments, are read inline here."""
+    out = []
+    for a in args:
+        kind = a.__class__
+        if kind is _Tensor or kind is torch.nn.Parameter:
+            out.append((a.dtype, a.shape[2:], a.dim(), a.get_device()))
+        elif a is None or kind is bool:
+            out.append(a)
+        elif kind is int or kind is float:  # a count or a scale: any value, one build
+            out.append(kind.__name__)
+        else:
+            out.append(_signature(a))
+    return tuple(out)
 
 
 def _enabled(args) -> bool:
@@ -200,7 +217,7 @@ def _record(step: Callable, args: tuple, recorder: _Recorder) -> Any:
 def run(label: str, step: Callable, *args: Any) -> Any:
     """``step(*args)``; at the first call with these argument types and shapes (per
     ``label``), its kernels are compiled in parallel first (see the module's doc)."""
-    key = (label, _signature(args))
+    key = (label, _call_signature(args))
     # Every later call takes this exit: one signature and one set lookup of host work.
     if key in _seen or not _enabled(args):
         return step(*args)

@@ -97,6 +97,7 @@ def traced(args: Sequence[Any]) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def use_op(args: Sequence[Any]) -> bool:
@@ -132,6 +133,7 @@ class StageOp:
                                           schema=schema)
         self.op.register_fake(fake)
         self._function: type | None = None
+        self._apply: Callable | None = None
 
     def _step(self, *args):
         if self.ahead:  # compile ahead at new argument types
@@ -166,6 +168,11 @@ class StageOp:
 
         Eager.__name__ = Eager.__qualname__ = f"{self.name}_eager"
         self._function = Eager
+        # autograd.Function.apply is a Python wrapper (default-argument binding, functorch
+        # checks, a pass over the arguments) around the C entry point; with no functorch
+        # transform active and no setup_context it does nothing else, so eager calls go
+        # to the C entry point itself (a few µs of host time a call).
+        self._apply = super(torch.autograd.Function, Eager).apply
 
     def __call__(self, *args):
         if traced(args):
@@ -173,7 +180,9 @@ class StageOp:
         if self._function is not None and torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:
-                    return self._function.apply(*args)
+                    if _functorch_active():
+                        return self._function.apply(*args)
+                    return self._apply(*args)
         return self._step(*args)
 
 

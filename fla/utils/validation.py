@@ -15,6 +15,7 @@ use and compared afterwards, so one helper checks every tensor of every family::
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Iterable, Sequence
 
@@ -82,29 +83,52 @@ def token_layout(letters: str, head_first: bool) -> str:
     return " ".join(parts)
 
 
-def check_shape(name: str, x: torch.Tensor, layout: str, dims: Dims) -> None:
-    """Check ``x.shape`` against ``layout`` (letters separated by spaces; a digit is a
-    fixed size) and bind new letters in ``dims``."""
+@functools.lru_cache(maxsize=256)
+def _parse_layout(layout: str) -> tuple[tuple[str, int | None], ...]:
+    """``"B T H K"`` -> ``(("B", None), ...)``; a digit is a fixed size: ``("64", 64)``."""
+    return tuple((letter, int(letter) if letter.isdigit() else None)
+                 for letter in layout.split())
+
+
+def _shape_error(name: str, x: torch.Tensor, layout: str, dims: Dims) -> ValueError:
+    """The message for ``x`` not matching ``layout`` (built only when it does not)."""
     letters = layout.split()
     pretty = "[" + ", ".join(letters) + "]"
     if x.dim() != len(letters):
-        raise ValueError(f"{name}: expected a {len(letters)}-D tensor of shape {pretty}, got "
-                         f"{x.dim()}-D with shape {tuple(x.shape)}")
+        return ValueError(f"{name}: expected a {len(letters)}-D tensor of shape {pretty}, "
+                          f"got {x.dim()}-D with shape {tuple(x.shape)}")
     for axis, (letter, size) in enumerate(zip(letters, x.shape)):
         if letter.isdigit():
             if size != int(letter):
-                raise ValueError(f"{name}: expected size {letter} at dim {axis} of {pretty}, "
-                                 f"got shape {tuple(x.shape)}")
-            continue
-        if letter not in dims:
-            dims[letter] = int(size)
-            dims.source[letter] = name
-            continue
-        if dims[letter] != size:
+                return ValueError(f"{name}: expected size {letter} at dim {axis} of "
+                                  f"{pretty}, got shape {tuple(x.shape)}")
+        elif dims.get(letter, size) != size:
             expected = ", ".join(str(dims.get(l, l)) for l in letters)
-            raise ValueError(
+            return ValueError(
                 f"{name}: expected shape {pretty} = [{expected}], got {tuple(x.shape)}: "
                 f"{letter} is {size} here but {dims[letter]} in {dims.source[letter]}")
+    return ValueError(f"{name}: shape {tuple(x.shape)} does not match {pretty}")
+
+
+def check_shape(name: str, x: torch.Tensor, layout: str, dims: Dims) -> None:
+    """Check ``x.shape`` against ``layout`` (letters separated by spaces; a digit is a
+    fixed size) and bind new letters in ``dims``.
+
+    Every public call checks several tensors, so the success path does no string work:
+    the layout is parsed once, and the message is built only for a mismatch."""
+    parsed = _parse_layout(layout)
+    shape = x.shape
+    if len(shape) != len(parsed):
+        raise _shape_error(name, x, layout, dims)
+    for (letter, fixed), size in zip(parsed, shape):
+        if fixed is not None:
+            if size != fixed:
+                raise _shape_error(name, x, layout, dims)
+        elif letter not in dims:
+            dims[letter] = int(size)
+            dims.source[letter] = name
+        elif dims[letter] != size:
+            raise _shape_error(name, x, layout, dims)
 
 
 # What each dimension letter counts, for the messages of check_positive_length.

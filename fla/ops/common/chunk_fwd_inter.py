@@ -41,6 +41,8 @@ shares the combine, the segment tables and the launch model kept here.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -618,14 +620,20 @@ def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K:
     """What the pass's launcher picks for ``segment_chunks=None`` (0: no split), given
     the host ``offsets`` of packed sequences (token boundaries from 0), or None for B
     sequences of T tokens."""
-    seq_chunks = sequence_chunks(offsets, B, T)
+    output_tiles, transition_tiles = _pass_tiles(K, V, delta, form_scores)
+    return segment_chunks_for(sequence_chunks(offsets, B, T), H, output_tiles,
+                              transition_tiles, "delta" if delta else "scalar")
+
+
+@functools.lru_cache(maxsize=64)
+def _pass_tiles(K: int, V: int, delta: bool, form_scores: bool) -> tuple[int, int]:
+    """V tiles of the output and of the transition programs at their default configs
+    (remembered: every call of every layer asks)."""
     bv = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=form_scores, TRANSITION=False,
                        FEW_PROGRAMS=0)).meta["BV"]
     bw = _default(dict(V=V, K=K, DELTA=delta, FORM_AQK=False, TRANSITION=True,
                        FEW_PROGRAMS=0)).meta["BV"]
-    return segment_chunks_for(seq_chunks, H, cdiv(V, bv),
-                              cdiv(transition_width(K, V, delta), bw),
-                              "delta" if delta else "scalar")
+    return cdiv(V, bv), cdiv(transition_width(K, V, delta), bw)
 
 
 def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:

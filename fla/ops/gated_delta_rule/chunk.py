@@ -35,7 +35,7 @@ from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.inputs import GatedDeltaInputs, prepare_gated_delta_inputs
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
-from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_fwd
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.modules.l2norm import l2norm as fused_l2norm
 from fla.ops.utils.l2norm import l2norm
@@ -102,8 +102,8 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_ind
     del dk_wy
     if g_cum is not None:
         # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
-        dg = chunk_local_cumsum(dg + dg_wy, CHUNK_SIZE, reverse=True, output_dtype=g_dtype,
-                                **varlen)
+        dg = chunk_local_cumsum_fwd(dg + dg_wy, CHUNK_SIZE, reverse=True,
+                                    output_dtype=g_dtype, **varlen)
     return (dq, dk, dv, dg, dbeta.to(beta.dtype),
             None if initial_state is None else dh0.to(initial_state.dtype))
 

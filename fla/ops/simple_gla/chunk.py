@@ -120,7 +120,8 @@ def _backward(q, k, v, g_cum, Aqk, initial_state, cu_seqlens, chunk_indices, do,
                                     chunk_size=CHUNK_SIZE, **varlen)
     if dg is not None:
         # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
-        dg = chunk_local_cumsum(dg, CHUNK_SIZE, reverse=True, output_dtype=g_dtype, **varlen)
+        dg = chunk_local_cumsum_fwd(dg, CHUNK_SIZE, reverse=True, output_dtype=g_dtype,
+                                    **varlen)
     return dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype)
 
 
