@@ -135,9 +135,10 @@ def _generated(names: Sequence[str], constexpr: Sequence[bool], defaults: Mappin
             other = "(_spec(_v), _v)" if name in valued else "_spec(_v)"
             # Any tensor (a Parameter too) by its dtype and alignment only: the key must
             # never hold a tensor (it would keep it alive, and compare it by value).
-            parts.append(f"((_v.dtype, not _v.data_ptr() & 15) if (_v := {read}).__class__ "
-                         f"is _Tensor or isinstance(_v, _Tensor) else None if _v is None "
-                         f"else {other})")
+            # None first: the absent optional tensors are as common as the present ones.
+            parts.append(f"(None if (_v := {read}) is None else (_v.dtype, not "
+                         f"_v.data_ptr() & 15) if _v.__class__ is _Tensor or isinstance("
+                         f"_v, _Tensor) else {other})")
     source = (f"def key(args, head):\n    return head + ({''.join(p + ', ' for p in parts)})\n"
               f"def values(args):\n    return [{', '.join(reads)}]\n")
     exec(compile(source, "<fla.utils.direct_launch>", "exec"), env)  # noqa: S102
