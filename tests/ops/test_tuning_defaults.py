@@ -44,6 +44,10 @@ STAGE_MS = {
         "4x2048x16x128": {(64, 4, 2): 0.075, (64, 4, 3): 0.055, (64, 4, 4): 0.054},
         "2x16384x16x128": {(32, 4, 4): 0.217, (32, 8, 4): 0.215, (64, 4, 2): 0.407},
         "8x1024x8x64": {(32, 4, 4): 0.018, (64, 4, 2): 0.05, (64, 4, 4): 0.018},
+        # (2026-11-26 evening, `profile_case --tune`: the whole space at 2 and 1 stages.)
+        "8x2048x32x256": {(64, 4, 2): 0.584, (64, 8, 2): 0.586, (32, 2, 2): 0.648,
+                          (32, 4, 2): 0.700, (32, 8, 2): 0.713, (64, 4, 1): 0.848,
+                          (32, 4, 1): 0.899, (64, 2, 2): 2.817},
     },
     "dhu W": {
         "1x8192x96x128": {(64, 4, 2): 0.86, (64, 4, 3): 0.687},
@@ -239,3 +243,31 @@ def test_dv_local_leaves_four_warps_at_wide_heads_where_triton_miscomputes_them(
             assert default.num_warps == 8 and 4 not in warps, (K, default, warps)
         else:
             assert default.num_warps == 4 and 4 in warps, (K, default, warps)
+
+
+# The parallel output kernel of simple GLA's staged forward above K = 128 (chunk_fwd_o):
+# (BK, BV, warps, stages), the whole space at 8x2048x32x256 (2026-11-26 evening).
+OUTPUT_MS = {
+    "8x2048x32x256": {
+        (64, 128, 4, 3): 0.746, (64, 128, 8, 3): 0.749, (64, 64, 4, 3): 0.775,
+        (64, 64, 8, 3): 0.787, (64, 128, 4, 2): 0.801, (64, 128, 8, 2): 0.808,
+        (128, 64, 2, 2): 0.820, (128, 128, 8, 3): 0.867, (64, 64, 2, 3): 0.880,
+        (64, 64, 4, 2): 0.882, (64, 64, 8, 2): 0.893, (128, 128, 4, 3): 0.894,
+        (64, 128, 2, 2): 0.908, (64, 64, 2, 2): 0.912, (128, 64, 4, 2): 0.916,
+        (128, 128, 8, 2): 0.938, (128, 64, 8, 2): 0.961, (128, 128, 4, 2): 0.966,
+        (128, 128, 2, 2): 0.972, (128, 64, 2, 3): 0.998, (64, 128, 2, 3): 1.026,
+        (128, 64, 4, 3): 1.256, (128, 64, 8, 3): 1.296, (128, 128, 2, 3): 1.355,
+    },
+}
+
+
+def test_output_kernel_default_follows_the_measured_best():
+    from fla.ops.common import chunk_o
+    for shape, times in OUTPUT_MS.items():
+        D, _ = _dims(shape)
+        args = dict(K=D, V=D, BT=64, q=BF16)
+        config = chunk_o._default(args)
+        picked = times[(config.meta["BK"], config.meta["BV"], config.num_warps,
+                        config.num_stages)]
+        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
+        assert config in chunk_o._space(args)

@@ -54,8 +54,13 @@ def _default(args) -> Config:
     # (1x8192x96x128) two stages stay best: 0.47 / 0.34 ms against 0.51 / 0.34 at three.
     few = args.get("FEW_PROGRAMS", 0) if args["K"] <= 128 and sixteen_bit(args) else 0
     # (At K = 64 the 32-column tiles measured no better: 8x1024x8x64 0.085 ms with W at
-    # four stages against 0.025 at BV = 64.)
-    width = 64 if args["K"] <= 64 or (args["K"] <= 128 and few < 2) else 32
+    # four stages against 0.025 at BV = 64.) Above K = 128 without W (simple GLA's
+    # pass, forward and backward; 16-bit operands), 64 columns despite the 128 state
+    # registers a thread: 8x2048x32x256 0.58 ms against 0.70 at BV = 32 (H100,
+    # 2026-11-26 evening).
+    K = args["K"]
+    wide_without_w = K > 128 and args.get("w") is None and sixteen_bit(args)
+    width = 64 if K <= 64 or (K <= 128 and few < 2) or wide_without_w else 32
     BV = tile_width(args["V"], width)
     return Config(BV=BV, num_warps=4,
                   num_stages=min((2, 3, 4)[few], max(_stage_counts(args, BV))))
