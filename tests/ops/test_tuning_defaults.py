@@ -50,6 +50,8 @@ STAGE_MS = {
                           (32, 4, 1): 0.899, (64, 2, 2): 2.817},
     },
     "dhu W": {
+        "8x2048x32x256": {(32, 4, 2): 2.043, (32, 8, 2): 2.157, (32, 2, 2): 53.41,
+                          (64, 2, 2): 60.12},
         "1x8192x96x128": {(64, 4, 2): 0.86, (64, 4, 3): 0.687},
         "1x8192x64x128": {(64, 4, 2): 0.467, (64, 4, 3): 0.353},
         "4x2048x16x128": {(64, 4, 2): 0.125, (64, 4, 3): 0.097},
@@ -57,6 +59,9 @@ STAGE_MS = {
         "8x1024x8x64": {(32, 4, 3): 0.033, (64, 4, 2): 0.05},
     },
     "dhu": {
+        # (2026-11-26 evening: the whole space, simple GLA's reverse pass.)
+        "8x2048x32x256": {(64, 4, 2): 1.143, (64, 8, 2): 1.270, (32, 4, 2): 1.634,
+                          (32, 8, 2): 1.895, (32, 2, 2): 5.000, (64, 2, 2): 31.85},
         "1x8192x96x128": {(64, 4, 2): 0.554},
         "1x8192x64x128": {(64, 4, 2): 0.425, (64, 4, 3): 0.386},
         "4x2048x16x128": {(64, 4, 2): 0.109, (64, 4, 3): 0.101},
@@ -271,3 +276,23 @@ def test_output_kernel_default_follows_the_measured_best():
                         config.num_stages)]
         assert picked <= 1.05 * min(times.values()), (shape, config, picked)
         assert config in chunk_o._space(args)
+
+
+# The intra-chunk kernel without the delta (simple GLA's scores above K = 128): (BK,
+# warps, stages) at 8x2048x32x256 (2026-11-26 evening; the rest of its space slower).
+INTRA_MS = {
+    "8x2048x32x256": {(64, 2, 2): 0.324, (64, 4, 1): 0.339, (64, 4, 2): 0.362,
+                      (64, 1, 2): 0.437, (64, 2, 1): 0.443, (64, 1, 1): 0.450,
+                      (32, 4, 1): 0.573},
+}
+
+
+def test_intra_kernel_default_without_the_delta_follows_the_measured_best():
+    from fla.ops.common import chunk_fwd_intra
+    for shape, times in INTRA_MS.items():
+        D, _ = _dims(shape)
+        args = dict(K=D, k=BF16, DELTA=False)
+        config = chunk_fwd_intra._default(args)
+        picked = times[(config.meta["BK"], config.num_warps, config.num_stages)]
+        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
+        assert config in chunk_fwd_intra._space(args)

@@ -65,8 +65,12 @@ def _dhu_default(args) -> Config:
     gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
     if (args.get("USE_GK") and not gated_gk) or args["K"] > 128 or not sixteen_bit(args):
         # At K = 256 the vector gate on the gated operands takes 64-column tiles too (GLA
-        # 8x2048x32x256, H100, its space timed: 1.47 ms against 2.16 at 32).
-        wide = args["K"] <= 128 or gated_gk
+        # 8x2048x32x256, H100, its space timed: 1.47 ms against 2.16 at 32), and so does
+        # the scalar gate without W in 16 bits (simple GLA 8x2048x32x256: 1.14 ms against
+        # 1.63; 2026-11-26 evening). With W, 32 columns stay: 64 do not fit 4 warps there.
+        scalar_without_w = (not args.get("USE_GK") and not args["USE_W"]
+                            and sixteen_bit(args))
+        wide = args["K"] <= 128 or gated_gk or scalar_without_w
         return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
