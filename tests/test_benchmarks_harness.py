@@ -551,3 +551,23 @@ def test_tuning_report_lists_every_config_fastest_first_with_the_default_marked(
     at = next(i for i, line in enumerate(lines) if line.startswith("chunk_gk_bwd_dqkg_kernel"))
     assert "2.5000 ms" in lines[at + 1] and str(other) in lines[at + 1]
     assert "2.9000 ms" in lines[at + 2] and lines[at + 2].endswith("<- default")
+
+
+# ------------------------------------------------------------------- host_python
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gdn", "rms"])
+def test_host_python_times_the_triton_path_without_launching(op, monkeypatch):
+    """The harness walks each op's Triton path on CPU tensors with every launch skipped
+    (a launch would run the interpreter: seconds, not microseconds) and leaves the
+    process's TRITON_INTERPRET as it found it."""
+    from benchmarks import host_python
+    from fla.utils import tuning
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    launched = []
+    original = tuning.TunedKernel._run
+    monkeypatch.setattr(tuning.TunedKernel, "_run",
+                        lambda *a, **k: launched.append(a) or original(*a, **k))
+    us = host_python.measure(op, "fwdbwd", steps=3)
+    assert 0 < us < 1e6
+    assert launched == []
+    assert "TRITON_INTERPRET" not in os.environ
