@@ -167,8 +167,9 @@ def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, head_first, output
     NT = cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     chunk_local_cumsum_kernel[lambda meta: (NT, cdiv(S, meta["BS"]), B * H)](
         g=g, o=o, scale=1.0 if scale is None else float(scale), cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, T=T, H=H, S=S, BT=chunk_size, REVERSE=bool(reverse), HAS_SCALE=scale is not None,
-        IS_VARLEN=cu_seqlens is not None, HEAD_FIRST=bool(head_first))
+        chunk_indices=chunk_indices, T=T, H=H, S=S, BT=chunk_size, REVERSE=bool(reverse),
+        HAS_SCALE=scale is not None, IS_VARLEN=cu_seqlens is not None,
+        HEAD_FIRST=bool(head_first))
     return o
 
 
