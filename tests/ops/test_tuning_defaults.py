@@ -86,6 +86,30 @@ STAGE_MS = {
 }
 
 
+# The parallel output kernel of simple GLA's staged forward above K = 128 (chunk_fwd_o):
+# (BK, BV, warps, stages), the whole space at 8x2048x32x256 (2026-11-26 evening).
+OUTPUT_MS = {
+    "8x2048x32x256": {
+        (64, 128, 4, 3): 0.746, (64, 128, 8, 3): 0.749, (64, 64, 4, 3): 0.775,
+        (64, 64, 8, 3): 0.787, (64, 128, 4, 2): 0.801, (64, 128, 8, 2): 0.808,
+        (128, 64, 2, 2): 0.820, (128, 128, 8, 3): 0.867, (64, 64, 2, 3): 0.880,
+        (64, 64, 4, 2): 0.882, (64, 64, 8, 2): 0.893, (128, 128, 4, 3): 0.894,
+        (64, 128, 2, 2): 0.908, (64, 64, 2, 2): 0.912, (128, 64, 4, 2): 0.916,
+        (128, 128, 8, 2): 0.938, (128, 64, 8, 2): 0.961, (128, 128, 4, 2): 0.966,
+        (128, 128, 2, 2): 0.972, (128, 64, 2, 3): 0.998, (64, 128, 2, 3): 1.026,
+        (128, 64, 4, 3): 1.256, (128, 64, 8, 3): 1.296, (128, 128, 2, 3): 1.355,
+    },
+}
+
+# The intra-chunk kernel without the delta (simple GLA's scores above K = 128): (BK,
+# warps, stages) at 8x2048x32x256 (2026-11-26 evening; the rest of its space slower).
+INTRA_MS = {
+    "8x2048x32x256": {(64, 2, 2): 0.324, (64, 4, 1): 0.339, (64, 4, 2): 0.362,
+                      (64, 1, 2): 0.437, (64, 2, 1): 0.443, (64, 1, 1): 0.450,
+                      (32, 4, 1): 0.573},
+}
+
+
 def _dims(shape: str):
     B, _, H, D = (int(x) for x in shape.split("x"))
     return D, grid_fill(B * H * -(-D // 64), SMS)
@@ -108,6 +132,14 @@ def _pick(kernel: str, D: int, few: int, k=BF16):
     return wy_fast_bwd._wy_default(args), wy_fast_bwd._wy_space(args)
 
 
+def _follows_the_best(label, times: dict, config, space, entry: tuple) -> None:
+    """The default's measured time within 5% of the fastest, and the default in its
+    space."""
+    picked = times[entry]
+    assert picked <= 1.05 * min(times.values()), (label, config, picked)
+    assert config in space, (label, config)
+
+
 def _entry(kernel: str, config) -> tuple:
     if kernel == "wy":
         return (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
@@ -123,9 +155,8 @@ def test_forward_pass_default_follows_the_measured_best():
         args = dict(K=D, V=D, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=False,
                     FEW_PROGRAMS=few)
         config = inter._default(args)
-        picked = times[(config.meta["BV"], config.num_stages)]
-        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
-        assert config in inter._space(args)
+        _follows_the_best(shape, times, config, inter._space(args),
+                          (config.meta["BV"], config.num_stages))
 
 
 @pytest.mark.parametrize("kernel", list(STAGE_MS))
@@ -133,9 +164,7 @@ def test_state_pass_defaults_follow_the_measured_best(kernel):
     for shape, times in STAGE_MS[kernel].items():
         D, few = _dims(shape)
         config, space = _pick(kernel, D, few)
-        picked = times[_entry(kernel, config)]
-        assert picked <= 1.05 * min(times.values()), (kernel, shape, config, picked)
-        assert config in space, (kernel, shape, config)
+        _follows_the_best((kernel, shape), times, config, space, _entry(kernel, config))
 
 
 @pytest.mark.parametrize("kernel", list(STAGE_MS))
@@ -250,21 +279,6 @@ def test_dv_local_leaves_four_warps_at_wide_heads_where_triton_miscomputes_them(
             assert default.num_warps == 4 and 4 in warps, (K, default, warps)
 
 
-# The parallel output kernel of simple GLA's staged forward above K = 128 (chunk_fwd_o):
-# (BK, BV, warps, stages), the whole space at 8x2048x32x256 (2026-11-26 evening).
-OUTPUT_MS = {
-    "8x2048x32x256": {
-        (64, 128, 4, 3): 0.746, (64, 128, 8, 3): 0.749, (64, 64, 4, 3): 0.775,
-        (64, 64, 8, 3): 0.787, (64, 128, 4, 2): 0.801, (64, 128, 8, 2): 0.808,
-        (128, 64, 2, 2): 0.820, (128, 128, 8, 3): 0.867, (64, 64, 2, 3): 0.880,
-        (64, 64, 4, 2): 0.882, (64, 64, 8, 2): 0.893, (128, 128, 4, 3): 0.894,
-        (64, 128, 2, 2): 0.908, (64, 64, 2, 2): 0.912, (128, 64, 4, 2): 0.916,
-        (128, 128, 8, 2): 0.938, (128, 64, 8, 2): 0.961, (128, 128, 4, 2): 0.966,
-        (128, 128, 2, 2): 0.972, (128, 64, 2, 3): 0.998, (64, 128, 2, 3): 1.026,
-        (128, 64, 4, 3): 1.256, (128, 64, 8, 3): 1.296, (128, 128, 2, 3): 1.355,
-    },
-}
-
 
 def test_output_kernel_default_follows_the_measured_best():
     from fla.ops.common import chunk_o
@@ -272,19 +286,9 @@ def test_output_kernel_default_follows_the_measured_best():
         D, _ = _dims(shape)
         args = dict(K=D, V=D, BT=64, q=BF16)
         config = chunk_o._default(args)
-        picked = times[(config.meta["BK"], config.meta["BV"], config.num_warps,
-                        config.num_stages)]
-        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
-        assert config in chunk_o._space(args)
-
-
-# The intra-chunk kernel without the delta (simple GLA's scores above K = 128): (BK,
-# warps, stages) at 8x2048x32x256 (2026-11-26 evening; the rest of its space slower).
-INTRA_MS = {
-    "8x2048x32x256": {(64, 2, 2): 0.324, (64, 4, 1): 0.339, (64, 4, 2): 0.362,
-                      (64, 1, 2): 0.437, (64, 2, 1): 0.443, (64, 1, 1): 0.450,
-                      (32, 4, 1): 0.573},
-}
+        _follows_the_best(shape, times, config, chunk_o._space(args),
+                          (config.meta["BK"], config.meta["BV"], config.num_warps,
+                           config.num_stages))
 
 
 def test_intra_kernel_default_without_the_delta_follows_the_measured_best():
@@ -293,6 +297,5 @@ def test_intra_kernel_default_without_the_delta_follows_the_measured_best():
         D, _ = _dims(shape)
         args = dict(K=D, k=BF16, DELTA=False)
         config = chunk_fwd_intra._default(args)
-        picked = times[(config.meta["BK"], config.num_warps, config.num_stages)]
-        assert picked <= 1.05 * min(times.values()), (shape, config, picked)
-        assert config in chunk_fwd_intra._space(args)
+        _follows_the_best(shape, times, config, chunk_fwd_intra._space(args),
+                          (config.meta["BK"], config.num_warps, config.num_stages))
