@@ -489,5 +489,7 @@ def test_every_tuning_config(seed, monkeypatch, D):
          lambda: (chunk_fwd_o(q, k, vn, h, gc),),
          (ref_fwd_o(q, k, vn, h, gc, p["scale"], None, 64),), 1e-2),
     ]
-    failures = sweep_configs(monkeypatch, stages, min_configs=12)
+    # 8: the smallest of these spaces on any release (fwd_h at K = 256 on Triton < 3.6,
+    # where 8 warps are out of it).
+    failures = sweep_configs(monkeypatch, stages, min_configs=8)
     assert not failures, "\n".join(failures)

@@ -184,6 +184,26 @@ def test_defaults_stay_in_their_space_for_every_dtype(kernel, D, few):
             assert config.num_stages <= (3 if D >= 256 and kernel == "wy" else 2)
 
 
+@pytest.mark.parametrize("ok", [True, False])
+def test_state_passes_leave_eight_warps_where_triton_cannot_build_them(monkeypatch, ok):
+    """Triton 3.3.1 on H100 aborted building the reverse state pass at 8 warps at every K
+    and the state pass with W at K = 128 and 256 (the LLVM layout assertion users hit),
+    config sweeps of 2026-11-26: where the fact says so, no default or config of those
+    spaces has 8 warps (the reverse pass's thin-grid default without W drops to 4); the
+    releases that build them keep them."""
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
+    for kernel in ("fwd_h W", "fwd_h", "dhu W", "dhu", "dhu GK", "wy"):
+        for D in (64, 128, 256):
+            for few in (0, 1, 2):
+                config, space = _pick(kernel, D, few)
+                warps = {c.num_warps for c in space} | {config.num_warps}
+                prone = kernel != "fwd_h" or D > 128
+                assert (8 in warps) == (ok or not prone), (kernel, D, few, config, warps)
+    thin_default, _ = _pick("dhu", 128, 2)
+    assert thin_default.num_warps == (8 if ok else 4)
+
+
 @pytest.mark.parametrize("K, V", [(16, 16), (32, 32), (32, 64), (64, 32)])
 def test_wy_backward_keeps_narrow_sixteen_bit_heads_on_two_warps(K, V):
     """On H100 / Triton 3.6 the WY backward faulted (illegal address) at every 4- and

@@ -74,8 +74,10 @@ def _dhu_default(args) -> Config:
         return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
+    # (8 warps only where this Triton builds them: see _dhu_space.)
+    warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
     return Config(BV=tile_width(args["V"], 32 if thin else 64),
-                  num_warps=8 if thin and not (args["USE_W"] or gated_gk) else 4,
+                  num_warps=min(warps, max(warp_choices(stmatrix_prone=True))),
                   num_stages=3 if args["USE_W"] or few else 2)
 
 
@@ -96,7 +98,9 @@ def _dhu_stages(args) -> tuple[int, ...]:
 
 def _dhu_space(args) -> list[Config]:
     bvs = sorted({tile_width(args["V"], b) for b in (32, 64)})
-    warps = warp_choices(stmatrix_prone=args["K"] > 128)
+    # Triton 3.3.1 aborts building 8 warps at every K, with W or without (H100 config
+    # sweeps at K = 64 and 128, 2026-11-26; offline builds had shown it at K = 256 only).
+    warps = warp_choices(stmatrix_prone=True)
     return [Config(BV=bv, num_warps=w, num_stages=s)
             for bv in bvs for w in warps for s in _dhu_stages(args)]
 
