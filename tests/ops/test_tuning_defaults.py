@@ -109,6 +109,17 @@ INTRA_MS = {
                       (32, 4, 1): 0.573},
 }
 
+# The DPLR (RWKV7) kernels at head size 128, RWKV7 4x4096x16x128 (2026-11-26 night, each
+# whole space): (BV, warps, stages).
+DPLR_K128_MS = {
+    "fwd_h SAVE": {(64, 8, 1): 1.511, (32, 4, 1): 1.608, (64, 4, 1): 1.968,
+                   (32, 8, 1): 2.272},
+    "dhu": {(64, 4, 1): 1.801, (64, 8, 1): 1.880, (32, 4, 1): 2.101, (32, 8, 1): 2.943},
+    "bwd_local": {(64, 8, 2): 1.073, (32, 8, 2): 1.194, (32, 8, 1): 1.219,
+                  (64, 8, 1): 1.255, (32, 4, 2): 1.845, (32, 4, 1): 2.062,
+                  (64, 4, 2): 2.223, (64, 4, 1): 2.609},
+}
+
 
 def _dims(shape: str):
     B, _, H, D = (int(x) for x in shape.split("x"))
@@ -319,3 +330,18 @@ def test_intra_kernel_default_without_the_delta_follows_the_measured_best():
         config = chunk_fwd_intra._default(args)
         _follows_the_best(shape, times, config, chunk_fwd_intra._space(args),
                           (config.meta["BK"], config.num_warps, config.num_stages))
+
+
+@pytest.mark.parametrize("kernel", list(DPLR_K128_MS))
+def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
+    """Head size 128 had kept the K = 64 rules untimed: the reverse local pass's 4 warps
+    were 2.1x its best there."""
+    from fla.ops.common import chunk_dplr_bwd_dhu, chunk_dplr_bwd_local, chunk_dplr_fwd_h
+    default, space = {
+        "fwd_h SAVE": (chunk_dplr_fwd_h.state_pass_default, chunk_dplr_fwd_h.state_pass_space),
+        "dhu": (chunk_dplr_bwd_dhu._default, chunk_dplr_fwd_h.state_pass_space),
+        "bwd_local": (chunk_dplr_bwd_local._default, chunk_dplr_bwd_local._space),
+    }[kernel]
+    args = dict(K=128, V=128, q=BF16, **({"SAVE": True} if kernel == "fwd_h SAVE" else {}))
+    config = default(args)
+    _follows_the_best(kernel, DPLR_K128_MS[kernel], config, space(args), _entry(kernel, config))

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import prepare_chunk_offsets
-from fla.ops.utils.tiles import tile_width
+from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
 
@@ -55,9 +55,19 @@ def state_pass_default(args) -> Config:
     # 2026-11-26: forward pass 1.376 -> 0.838 ms, reverse (chunk_dplr_bwd_dhu) 1.817 ->
     # 1.111 against 8 warps. Its space timed (11:45 UTC): BV = 64 for the forward pass
     # without saving h (0.812 against 0.837) and the reverse pass (1.058 against 1.122);
-    # the pass saving h stays at 32 (0.987 against 1.043). Larger K was not timed: 32.
+    # the pass saving h stays at 32 (0.987 against 1.043). At K = 128 (RWKV7
+    # 4x4096x16x128, 16-bit, the space timed 2026-11-26 night) the pass saving h takes 64
+    # columns at 8 warps: 1.51 ms against 1.61 at 32 / 4 warps (64 at 4 warps: 1.97). The
+    # pass without saving h was not timed there, nor anything above K = 128: 32.
+    if args.get("SAVE") and head_128_in_sixteen_bits(args):
+        return Config(BV=64, num_warps=8, num_stages=1)
     wide = not args.get("SAVE") and args["K"] <= 64 and args["V"] > 32
     return Config(BV=64 if wide else 32, num_warps=4, num_stages=1)
+
+
+def head_128_in_sixteen_bits(args) -> bool:
+    """K in (64, 128], V > 32, 16-bit operands: where the K = 128 timings apply."""
+    return 64 < args["K"] <= 128 and args["V"] > 32 and sixteen_bit(args, "q")
 
 
 def state_pass_space(args) -> list[Config]:
