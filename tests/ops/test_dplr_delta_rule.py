@@ -126,6 +126,29 @@ def test_gpu_bf16_varlen(op, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
+def test_gpu_bf16_forward_without_gradients(D, seed):
+    """A forward that feeds no backward runs the state pass without saving h (its own
+    default config; at D = 128 not the saving pass's): output and final state against
+    the float64 loop, packed uneven sequences."""
+    from fla.ops.generalized_delta_rule import naive_recurrent_dplr_delta_rule
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=2000)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=8, K=D, V=D, N=3)
+    cu = cu_seqlens_of(lengths, "cuda")
+    xs = {n: None if x is None else
+          x.to(torch.float32 if n == "initial_state" else torch.bfloat16).cuda()
+          for n, x in inputs.items()}
+    with torch.no_grad():
+        o, ht = chunk_dplr_delta_rule(**xs, output_final_state=True, cu_seqlens=cu)
+        o_ref, ht_ref = naive_recurrent_dplr_delta_rule(
+            **{n: None if x is None else x.double() for n, x in xs.items()},
+            output_final_state=True, cu_seqlens=cu)
+    assert_rel_close("o", o, o_ref, 5e-3)
+    assert_rel_close("final_state", ht, ht_ref, 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
 def test_every_tuning_config_of_the_chunk_kernels(D, monkeypatch):
     """Each config the tuning layer may pick for a kernel of chunk_dplr_delta_rule (the
     intra-chunk and local stages, both state passes) compiles on this Triton/GPU and gives

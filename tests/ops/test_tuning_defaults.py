@@ -114,6 +114,7 @@ INTRA_MS = {
 DPLR_K128_MS = {
     "fwd_h SAVE": {(64, 8, 1): 1.511, (32, 4, 1): 1.608, (64, 4, 1): 1.968,
                    (32, 8, 1): 2.272},
+    "fwd_h": {(64, 8, 1): 1.193, (64, 4, 1): 1.344, (32, 4, 1): 1.730, (32, 8, 1): 2.050},
     "dhu": {(64, 4, 1): 1.801, (64, 8, 1): 1.880, (32, 4, 1): 2.101, (32, 8, 1): 2.943},
     "bwd_local": {(64, 8, 2): 1.073, (32, 8, 2): 1.194, (32, 8, 1): 1.219,
                   (64, 8, 1): 1.255, (32, 4, 2): 1.845, (32, 4, 1): 2.062,
@@ -339,9 +340,11 @@ def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
     from fla.ops.common import chunk_dplr_bwd_dhu, chunk_dplr_bwd_local, chunk_dplr_fwd_h
     default, space = {
         "fwd_h SAVE": (chunk_dplr_fwd_h.state_pass_default, chunk_dplr_fwd_h.state_pass_space),
+        "fwd_h": (chunk_dplr_fwd_h.state_pass_default, chunk_dplr_fwd_h.state_pass_space),
         "dhu": (chunk_dplr_bwd_dhu._default, chunk_dplr_fwd_h.state_pass_space),
         "bwd_local": (chunk_dplr_bwd_local._default, chunk_dplr_bwd_local._space),
     }[kernel]
-    args = dict(K=128, V=128, q=BF16, **({"SAVE": True} if kernel == "fwd_h SAVE" else {}))
+    args = dict(K=128, V=128, q=BF16, **({"SAVE": kernel == "fwd_h SAVE"}
+                                         if kernel.startswith("fwd_h") else {}))
     config = default(args)
     _follows_the_best(kernel, DPLR_K128_MS[kernel], config, space(args), _entry(kernel, config))

@@ -56,10 +56,10 @@ def state_pass_default(args) -> Config:
     # 1.111 against 8 warps. Its space timed (11:45 UTC): BV = 64 for the forward pass
     # without saving h (0.812 against 0.837) and the reverse pass (1.058 against 1.122);
     # the pass saving h stays at 32 (0.987 against 1.043). At K = 128 (RWKV7
-    # 4x4096x16x128, 16-bit, the space timed 2026-11-26 night) the pass saving h takes 64
-    # columns at 8 warps: 1.51 ms against 1.61 at 32 / 4 warps (64 at 4 warps: 1.97). The
-    # pass without saving h was not timed there, nor anything above K = 128: 32.
-    if args.get("SAVE") and head_128_in_sixteen_bits(args):
+    # 4x4096x16x128, 16-bit, the spaces timed 2026-11-26 night) 64 columns at 8 warps:
+    # saving h 1.51 ms against 1.61 at 32 / 4 warps (64 at 4 warps: 1.97), without 1.19
+    # against 1.73 (1.34). Above K = 128 nothing was timed: 32.
+    if head_128_in_sixteen_bits(args):
         return Config(BV=64, num_warps=8, num_stages=1)
     wide = not args.get("SAVE") and args["K"] <= 64 and args["V"] > 32
     return Config(BV=64 if wide else 32, num_warps=4, num_stages=1)
