@@ -127,9 +127,9 @@ def test_gpu_bf16_varlen(op, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_bf16_forward_without_gradients(D, seed):
-    """A forward that feeds no backward runs the state pass without saving h (its own
-    default config; at D = 128 not the saving pass's): output and final state against
-    the float64 loop, packed uneven sequences."""
+    """A forward that feeds no backward runs the state pass without saving h (a variant
+    compiled apart, with a default of its own): output and final state against the
+    float64 loop, packed uneven sequences."""
     from fla.ops.generalized_delta_rule import naive_recurrent_dplr_delta_rule
     gen = generator(seed)
     lengths = uneven_lengths(3, gen, low=1, high=2000)

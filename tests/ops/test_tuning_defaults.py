@@ -201,8 +201,8 @@ def test_state_passes_leave_eight_warps_where_triton_cannot_build_them(monkeypat
     """Triton 3.3.1 on H100 aborted building the reverse state pass at 8 warps at every K
     and the state pass with W at K = 128 and 256 (the LLVM layout assertion users hit),
     config sweeps of 2026-11-26: where the fact says so, no default or config of those
-    spaces has 8 warps (the reverse pass's thin-grid default without W drops to 4); the
-    releases that build them keep them."""
+    spaces has 8 warps (the state pass with W at no K; the reverse pass's thin-grid
+    default without W drops to 4); the releases that build them keep them."""
     from fla.utils import triton_facts
     monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
     for kernel in ("fwd_h W", "fwd_h", "dhu W", "dhu", "dhu GK", "wy"):

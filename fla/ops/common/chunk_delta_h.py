@@ -79,7 +79,8 @@ def _stage_counts(args, BV: int) -> tuple[int, ...]:
 
 def _space(args) -> list[Config]:
     # Triton 3.3.1 aborts building 8 warps above K = 128, and with W at K = 128 too (H100
-    # config sweep, 2026-11-26); without W up to K = 128 it built and ran all of them.
+    # config sweep, 2026-11-26; so with W none at any K); without W up to K = 128 it
+    # built and ran all of them.
     warps = warp_choices(stmatrix_prone=args["K"] > 128 or args.get("w") is not None)
     configs = []
     for bv in (32, 64):
