@@ -2,7 +2,7 @@
 
     python scripts/compile_check.py [--arch 90] [--shape 1x256x4x128] [--dtype bf16]
                                     [--configs default|all] [--resources]
-                                    [--only NAME] [--keep-cache]
+                                    [--only NAME[,NAME]] [--keep-cache]
                                     [--ops gated_delta_rule,simple_gla]
 
 Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forward +
@@ -147,7 +147,7 @@ class OfflineCompiler:
         self.parallel = False
 
     def launch(self, tuned: TunedKernel, grid, args, kwargs):
-        if self.only not in tuned.name:
+        if not any(part in tuned.name for part in self.only.split(",")):
             return
         named = tuned._bind(args, kwargs)
         configs = tuned.candidates(named) if self.all_configs else [tuned.default(named)]
@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="default", choices=["default", "all"])
     p.add_argument("--keep-cache", action="store_true",
                    help="use Triton's usual cache (default: a fresh one, for compile times)")
-    p.add_argument("--only", default="", help="compile only kernels whose name has this")
+    p.add_argument("--only", default="",
+                   help="compile only kernels whose name has this (comma-separated: any)")
     p.add_argument("--split", action="store_true",
                    help="force the segment split of the forward state passes (gated "
                         "delta rule, simple GLA; GLA and RWKV6 forward and backward)")
