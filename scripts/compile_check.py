@@ -296,8 +296,12 @@ def main(argv=None) -> int:
     if compiler.jobs:
         from concurrent.futures import ThreadPoolExecutor
 
+        # The first compile runs alone: Triton's first call fills lazy process-wide state
+        # (its cache key reads sysconfig, whose lazy fill is not thread-safe: on Triton
+        # 3.3 a thread racing it saw EXT_SUFFIX as None and its compile failed).
+        compiler.jobs[0]()
         with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(lambda job: job(), compiler.jobs))
+            list(pool.map(lambda job: job(), compiler.jobs[1:]))
     print(f"{len(compiler.seen)} kernels compiled in {compiler.total_s:.1f} s "
           f"({time.perf_counter() - t0:.1f} s wall), {compiler.failures} failed")
     return 1 if compiler.failures else 0

@@ -29,6 +29,7 @@ ignored: the real run compiles (and reports) as it would without this.
 from __future__ import annotations
 
 import os
+import sysconfig
 import threading
 from contextlib import contextmanager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -134,6 +135,10 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
+            # Python fills sysconfig's table lazily and not thread-safely, and Triton's
+            # cache key reads it in every build: filled here, before builds run side by
+            # side (on Triton 3.3 a build racing the fill saw EXT_SUFFIX as None).
+            sysconfig.get_config_vars()
             workers = max(1, min(16, (os.cpu_count() or 2) - 1))
             _pool = ThreadPoolExecutor(workers, thread_name_prefix="fla-compile")
         return _pool
