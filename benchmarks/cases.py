@@ -540,9 +540,10 @@ def _registry() -> list[Case]:
                        _build_rwkv6, _work_linear_attention, issue=5, default=True,
                        est_ref_cold_s=150))
     # Issue 6: generalized delta rule / RWKV7.
-    # (4, 4096, 16, 128): the head size 128 the issue names, as many channels a token.
+    # (4, 4096, 16, 128): the head size 128 the issue names, as many channels a token;
+    # (4, 4096, 8, 256): the largest head size the ops take, for its tuning spaces.
     for shape, default in (((4, 4096, 32, 64), True), ((8, 4096, 64, 64), False),
-                           ((4, 4096, 16, 128), False)):
+                           ((4, 4096, 16, 128), False), ((4, 4096, 8, 256), False)):
         cases.append(_case("chunk_rwkv7", "rwkv7", "fla.ops.rwkv7", shape, _build_rwkv7,
                            _work_rwkv7, issue=6, default=default, est_ref_cold_s=400))
     # Issue 7: fused modules, with plain PyTorch alongside.
