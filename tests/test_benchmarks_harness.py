@@ -51,8 +51,9 @@ def test_shapes_are_the_issues():
     assert shapes_of("chunk_simple_gla") == GDN_SIX
     assert shapes_of("chunk_gla") == GDN_SIX
     assert shapes_of("chunk_rwkv6") == [(4, 4096, 16, 128)]
-    # the issue's two, and its head size 128 at the first one's channels a token
-    assert shapes_of("chunk_rwkv7") == [(4, 4096, 32, 64), (8, 4096, 64, 64), (4, 4096, 16, 128)]
+    # the issue's two, and head sizes 128 and 256 at the first one's channels a token
+    assert shapes_of("chunk_rwkv7") == [(4, 4096, 32, 64), (8, 4096, 64, 64), (4, 4096, 16, 128),
+                                        (4, 4096, 8, 256)]
     assert shapes_of("chunk_delta_rule") == [(4, 4096, 16, 128)]
     assert shapes_of("chunk_gated_delta_rule_fwd_h") == [(1, 8192, 36, 256)]
     assert shapes_of("fused_recurrent_gated_delta_rule") == [(256, 1, 32, 128)]
