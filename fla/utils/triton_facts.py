@@ -63,8 +63,9 @@ MIN_DOT_TILE = 32
 # chunk_gated_delta_rule_bwd_dhu_kernel, 8 warps, BV = 32 and 64) and the WY backward at
 # 8 warps (prepare_wy_repr_bwd_kernel, K = 128 and 256, every tile). On the GPU (H100
 # config sweeps) also fwd_h with W at K = 128 and bwd_dhu at K = 64 and 128. 3.6 and 3.9
-# compile all of them (their tuning spaces keep 8 warps only there). 3.4.0 and 3.5.1 build them
-# offline too (sm_90, 2026-11-26) but have not run them on a GPU: treated as 3.3.
+# compile all of them (their tuning spaces keep 8 warps only there). 3.4.0 and 3.5.1
+# build them offline too (sm_90, 2026-11-26) but have not run them on a GPU: treated as
+# 3.3.
 WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 6)
 
 # Triton 3.9.0 on H100 computes non-finite dv in chunk_bwd_dv_local_kernel at K = 256
