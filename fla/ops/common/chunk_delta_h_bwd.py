@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
-from fla.ops.utils.tiles import check_kernel_device, sixteen_bit, tile_width
+from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
+                                 tile_width)
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -63,6 +64,13 @@ def _dhu_default(args) -> Config:
     # 1x8192x96x128 0.57 against ~0.80.
     few = args.get("FEW_PROGRAMS", 0)
     gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+    # dS's row tiles: 128 rows for the vector gate on gated operands where the grid is
+    # full (H100, Triton 3.6, bf16, 2026-11-27, BK = 64 -> 128, ms: GLA 1x8192x96x128
+    # 0.559 -> 0.512, 8x2048x32x256 1.461 -> 1.339, 4x4096x64x128 0.643 -> 0.624), 64 on
+    # thin grids (GLA 4x2048x16x128 0.099 -> 0.105, 2x16384x16x128 0.576 -> 0.629) and
+    # for the scalar gate and the delta (1x8192x96x128: simple GLA 0.542 -> 0.568, the
+    # delta rule 0.675 -> 0.855).
+    bk = tile_width(args["K"], 128 if gated_gk and not few else 64)
     if (args.get("USE_GK") and not gated_gk) or args["K"] > 128 or not sixteen_bit(args):
         # At K = 256 the vector gate on the gated operands takes 64-column tiles too (GLA
         # 8x2048x32x256, H100, its space timed: 1.47 ms against 2.16 at 32), and so does
@@ -71,12 +79,12 @@ def _dhu_default(args) -> Config:
         scalar_without_w = (not args.get("USE_GK") and not args["USE_W"]
                             and sixteen_bit(args))
         wide = args["K"] <= 128 or gated_gk or scalar_without_w
-        return Config(BV=tile_width(args["V"], 64 if wide else 32), num_warps=4,
+        return Config(BV=tile_width(args["V"], 64 if wide else 32), BK=bk, num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
     # (8 warps only where this Triton builds them: see _dhu_space.)
     warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
-    return Config(BV=tile_width(args["V"], 32 if thin else 64),
+    return Config(BV=tile_width(args["V"], 32 if thin else 64), BK=bk,
                   num_warps=min(warps, max(warp_choices(stmatrix_prone=True))),
                   num_stages=3 if args["USE_W"] or few else 2)
 
@@ -101,8 +109,10 @@ def _dhu_space(args) -> list[Config]:
     # Triton 3.3.1 aborts building 8 warps at every K, with W or without (H100 config
     # sweeps at K = 64 and 128, 2026-11-26; offline builds had shown it at K = 256 only).
     warps = warp_choices(stmatrix_prone=True)
-    return [Config(BV=bv, num_warps=w, num_stages=s)
-            for bv in bvs for w in warps for s in _dhu_stages(args)]
+    gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+    rows = state_row_heights(args["K"]) if gated_gk else (tile_width(args["K"], 64),)
+    return [Config(BV=bv, BK=bk, num_warps=w, num_stages=s)
+            for bv in bvs for bk in rows for w in warps for s in _dhu_stages(args)]
 
 
 @triton.jit
@@ -145,8 +155,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
 
-    dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 for K > 64):
-    a K × BV block cannot be one tile for K up to 256 without spilling.
+    dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 or 128, a
+    tuning choice): a K × BV block cannot be one tile for K up to 256 without spilling.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -469,7 +479,6 @@ def chunk_gated_delta_rule_bwd_dhu(
     dh = k.new_empty(B, NT, H, K, V)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if h0 is not None else None
     dv2 = torch.empty_like(do if dv is None else dv)
-    BK = tile_width(K, 64)
 
     def grid(meta):
         return (cdiv(V, meta["BV"]), N * H)
@@ -477,7 +486,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     chunk_gated_delta_rule_bwd_dhu_kernel[grid](
         q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None and not vector_gate,
+        H=H, K=K, V=V, BT=BT, USE_G=g is not None and not vector_gate,
         USE_W=w is not None,
         LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),

@@ -16,7 +16,8 @@ factors W, U stay in registers. The backward recomputes what it needs from the s
 Ai.
 
 One program per (V tile, head, sequence) walks the sequence's chunks; the K x BV fp32
-state lives in up to four 64-row register tiles (K ≤ 256). Programs of one head's V
+state lives in up to four register tiles of BK = 64 or 128 rows (a tuning choice, see
+``_default``; K ≤ 4·BK). Programs of one head's V
 tiles are adjacent in the grid, so they run together and share Q, K, Ai and Aqk through
 the L2 cache.
 
@@ -50,7 +51,7 @@ import triton.language as tl
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
-from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
@@ -81,17 +82,25 @@ def _default(args) -> Config:
     # with it). Above K = 128, BV = 32: 2.13 ms at 8x2048x32x256 against 2.23. Simple GLA
     # (no delta: three dots a chunk, not eight): BV = 64, 0.58 ms at 1x8192x96x128 against
     # 0.78 at BV = 32.
+    # The state's row tiles (BK): 128 rows where the grid is full (H100, Triton 3.6, bf16,
+    # 2026-11-27, the pass with BK = 64 -> 128, ms): with the delta 1x8192x96x128 0.701 ->
+    # 0.637, 4x4096x64x128 0.815 -> 0.724, 8x2048x32x256 2.119 -> 2.076; simple GLA's
+    # pass above K = 128 1.345 -> 1.286. On thin grids (32-column tiles) 64 rows: the
+    # delta's 4x2048x16x128 0.118 -> 0.124, 2x16384x16x128 0.721 -> 0.717. The pass that
+    # forms its scores keeps 64: 0.581 -> 0.713 at 1x8192x96x128 (it spills).
     if args["FORM_AQK"]:
-        return Config(BV=64, num_warps=4, num_stages=2)
+        return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
+    few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
     if args["K"] > 128:
-        return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
-    few = args["FEW_PROGRAMS"] if args["DELTA"] else 0
+        return Config(BV=tile_width(args["V"], 32),
+                      BK=tile_width(args["K"], 64 if few else 128), num_warps=4, num_stages=2)
     if args["DELTA"] and args["TRANSITION"]:
         few = max(few, 1)
     # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
     # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
     deep = few >= 2 or args.get("STATES_ONLY", False)
-    return Config(BV=tile_width(args["V"], 32 if few else 64), num_warps=4,
+    return Config(BV=tile_width(args["V"], 32 if few else 64),
+                  BK=tile_width(args["K"], 64 if few else 128), num_warps=4,
                   num_stages=3 if deep and sixteen_bit(args) else 2)
 
 
@@ -106,16 +115,19 @@ def _space(args) -> list[Config]:
         # dot's accumulator. With BV = 32 that compiled wrong on H100 / Triton 3.6 (V = 64:
         # relative error ~1 at 1 stage; V = 128: an illegal address); BV = 64 is right at
         # every stage count (GPU config sweep), and is kept even for V < 64 (masked).
-        return [Config(BV=64, num_warps=4, num_stages=s) for s in (1, 2, 3)]
+        return [Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=s)
+                for s in (1, 2, 3)]
+    rows = state_row_heights(args["K"])
     if args["K"] > 128:
-        return [Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=s)
-                for s in (1, 2)]
+        return [Config(BV=tile_width(args["V"], 32), BK=bk, num_warps=4, num_stages=s)
+                for bk in rows for s in (1, 2)]
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
     # With the delta, BV = 32 at one stage faulted with an illegal address at K = V = 64
     # once the update reused K's tiles (H100, Triton 3.6; every other config of the space
     # passed at K = 64 and 128, each run in its own process); never the fastest (1.76 ms
     # against 0.72 at 1x8192x96x128), it is left out up to K = 128.
-    return [Config(BV=bv, num_warps=4, num_stages=s) for bv in widths for s in (1, 2, 3)
+    return [Config(BV=bv, BK=bk, num_warps=4, num_stages=s)
+            for bv in widths for bk in rows for s in (1, 2, 3)
             if not (args["DELTA"] and bv == 32 and s == 1)]
 
 
@@ -123,7 +135,7 @@ def _space(args) -> list[Config]:
 def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constexpr,
                      WITH_Q: tl.constexpr, WITH_QK: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
-    """K S and/or Q S accumulated over one 64-row tile of the state (16-bit operands),
+    """K S and/or Q S accumulated over one BK-row tile of the state (16-bit operands),
     and with ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels; also returns the
     K tile (for the state update) when one was loaded."""
     b_hc = b_h.to(k.dtype.element_ty)
@@ -224,7 +236,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     else:
         o_v = o_w
         m_v = m_w
-    # The state's j-th 64-row tile is rows j·BK .. j·BK + BK of the K x W matrix.
+    # The state's j-th row tile is rows j·BK .. j·BK + BK of the K x W matrix.
     o_s = o_k[:, None] * W + o_w[None, :]
     m_s1 = (o_k < K)[:, None] & m_w[None, :]
     m_s2 = (BK + o_k < K)[:, None] & m_w[None, :]
@@ -274,7 +286,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             if K > 3 * BK:
                 tl.store(p_h + 3 * BK * W, b_h4.to(h.dtype.element_ty), mask=m_s4)
 
-        # K S (and Q S for the output), one 64-row tile of the state at a time.
+        # K S (and Q S for the output), one row tile of the state at a time.
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
         b_qs = tl.zeros([BT, BV], dtype=tl.float32)
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -786,7 +798,7 @@ def chunk_gated_delta_rule_fwd_inter(
         Aqk = scores_out
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
-                  BK=tile_width(K, 64), USE_G=g_cum is not None, IS_VARLEN=varlen,
+                  USE_G=g_cum is not None, IS_VARLEN=varlen,
                   DELTA=Ai is not None, FORM_AQK=form_scores,
                   STORE_AQK=form_scores and scores_out is not None,
                   DOT_PRECISION=dot_precision(k.dtype))

@@ -68,7 +68,7 @@ import triton.language as tl
 from fla.ops.common import chunk_fwd_inter
 from fla.ops.common.chunk_fwd_inter import segment_of_program
 from fla.ops.utils.index import locate_chunk
-from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -549,16 +549,21 @@ def _h_default(args) -> Config:
         # Above K = 128, 64-column tiles in one stage (GLA 8x2048x32x256, H100, the space
         # timed: the output pass 1.21 ms against 1.49 for BV = 32 in two stages, the
         # backward's h pass 0.97 against 1.08).
+        # The state in 128-row tiles (H100, Triton 3.6, bf16, 2026-11-27, BK = 64 -> 128,
+        # ms): the output pass GLA 1x8192x96x128 0.412 -> 0.395, 8x2048x32x256 1.204 ->
+        # 1.112, 4x2048x16x128 0.088 -> 0.074, RWKV6 4x4096x16x128 0.168 -> 0.141; the
+        # backward's h pass (GLA) 0.409 -> 0.383 and 0.958 -> 0.791.
+        bk = tile_width(args["K"], 128)
         if args["K"] > 128:
-            return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=1)
+            return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=1)
         few = args.get("FEW_PROGRAMS", 0) if sixteen_bit(args) else 0
-        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), num_warps=4,
+        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), BK=bk, num_warps=4,
                       num_stages=3 if few else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
     return Config(BV=tile_width(args["V"], 64 if args["K"] <= 128 else 32),
-                  num_warps=_h_max_warps(args), num_stages=2)
+                  BK=tile_width(args["K"], 64), num_warps=_h_max_warps(args), num_stages=2)
 
 
 def _h_max_warps(args) -> int:
@@ -573,9 +578,12 @@ def _h_space(args) -> list[Config]:
     # stages of BV = 64 at K = 256 (239-243 KB). The gated operands carry no γ tiles.
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
     stages = (1, 2, 3) if args["GATED_OPERANDS"] and args["K"] <= 128 else (1, 2)
+    rows = (state_row_heights(args["K"]) if args["GATED_OPERANDS"]
+            else (tile_width(args["K"], 64),))
     return list(dict.fromkeys(
-        Config(BV=bv, num_warps=w, num_stages=s)
-        for bv in widths for w in (4, 8) if w <= _h_max_warps(args) for s in stages
+        Config(BV=bv, BK=bk, num_warps=w, num_stages=s)
+        for bv in widths for bk in rows for w in (4, 8) if w <= _h_max_warps(args)
+        for s in stages
         if not (bv <= 32 and s == 1) and not (bv == 64 and s >= 2 and args["K"] > 128)))
 
 
@@ -640,7 +648,8 @@ def chunk_gk_fwd_h_kernel(
     TRANSITION: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), H, P)``: one program walks one sequence's chunks for one V
-    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64). P = N, or
+    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64 or 128, a
+    tuning choice). P = N, or
     with ``SPLIT`` one program per row of ``segments [P, 3]`` int32 (sequence, first
     chunk, end chunk) walking that segment's chunks, ``h0`` and ``ht`` then indexed by
     segment (h, o still by the sequence's tokens and global chunks).
@@ -871,7 +880,7 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
           if output_final_state else None)
     common = dict(q=q, k=k, v=v, g_cum=g_cum, A=A, h=h, o=o, cu_seqlens=cu_seqlens,
                   chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, K=K, V=V,
-                  BK=tile_width(K, 64), EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
+                  EXCLUSIVE=exclusive, GATED_OPERANDS=gated_operands,
                   IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gk_fwd_h_kernel
     if not segment_chunks:

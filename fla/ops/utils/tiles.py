@@ -23,6 +23,14 @@ def tile_width(size: int, cap: int) -> int:
     return max(MIN_DOT_TILE, min(cap, next_power_of_2(size)))
 
 
+def state_row_heights(K: int) -> tuple[int, ...]:
+    """Row heights a sequential chunk pass may hold its K x BV fp32 state at, as up to four
+    [BK, BV] register tiles: 64, and from K = 128 on also 128, which halves the dots a
+    chunk (one 128-deep K S or Q S instead of two 64-deep ones chained through their
+    accumulator, one Kᵀ Vn update tile instead of two) for the same registers."""
+    return tuple(sorted({tile_width(K, 64), tile_width(K, 128)}))
+
+
 def check_kernel_device(*tensors: torch.Tensor | None) -> None:
     """Stages that exist only as Triton kernels (the backward ones: the PyTorch path
     differentiates its forward instead) need CUDA tensors, or the interpreter."""
