@@ -4,10 +4,10 @@ From K = 128 on, the state passes may hold the K x BV fp32 state as [128, BV] re
 tiles instead of [64, BV] ones (a tuning choice, ``fla.ops.utils.tiles.state_row_heights``):
 the delta rule's fused forward pass (and the backward's states pass), GLA's and RWKV6's
 state pass, and the reverse pass with the vector gate on the gated operands. Here each
-family runs at K = V = 128 on a grid its defaults count as full (the interpreter reports
-one SM), the passes are checked to have taken 128-row tiles, and outputs, final states
-and every gradient are compared with the float64 loop. The GPU config sweeps of each
-family run the 64-row configs too.
+family runs at K = V = 128 on a grid its defaults count as full (one SM is reported, as
+the interpreter does), the passes are checked to have taken 128-row tiles (the delta
+rule's backward states pass keeps 64), and outputs, final states and every gradient are
+compared with the float64 loop. The GPU config sweeps of each family run every height.
 """
 import pytest
 
@@ -25,14 +25,19 @@ PASSES = {
 
 
 def _row_heights(monkeypatch, names, call) -> dict:
-    """Run ``call`` and return, per pass named, the set of BK its launches took (the
-    config the tuning layer picked for each launch's key)."""
+    """Run ``call`` on a grid counted as full and return, per pass named, the set of
+    (STATES_ONLY, BK) its launches took (the config the tuning layer picked for each
+    launch's key)."""
+    from fla.utils import grid
+    monkeypatch.setattr(grid, "multiprocessor_count", lambda: 1)
+    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: 1)
     launches = {name: record_launches(monkeypatch, PASSES[name]) for name in names}
     call()
     heights = {}
     for name, calls in launches.items():
         kernel = PASSES[name]
-        heights[name] = {kernel.chosen_config(**named).meta["BK"] for _, named in calls}
+        heights[name] = {(bool(named.get("STATES_ONLY")),
+                          kernel.chosen_config(**named).meta["BK"]) for _, named in calls}
     return heights
 
 
@@ -45,7 +50,7 @@ def test_delta_rule_pass_in_128_row_tiles(dtype, device, seed, monkeypatch):
                                            K=128, V=128)
     heights = _row_heights(monkeypatch, ["inter"], lambda: gated_delta_cases.compare(
         inputs, dtype, device, fn=chunk_gated_delta_rule, gen=gen))
-    assert heights == {"inter": {128}}
+    assert heights == {"inter": {(False, 128), (True, 64)}}
 
 
 @pytest.mark.interpret
@@ -67,4 +72,4 @@ def test_vector_gate_passes_in_128_row_tiles(exclusive, dtype, device, seed, mon
         def call():
             test_gla.compare(inputs, dtype, device, fn=chunk_gla, gen=gen)
     heights = _row_heights(monkeypatch, ["gk_fwd_h", "dhu"], call)
-    assert heights == {"gk_fwd_h": {128}, "dhu": {128}}
+    assert heights == {"gk_fwd_h": {(False, 128)}, "dhu": {(False, 128)}}

@@ -87,7 +87,8 @@ def _default(args) -> Config:
     # 0.637, 4x4096x64x128 0.815 -> 0.724, 8x2048x32x256 2.119 -> 2.076; simple GLA's
     # pass above K = 128 1.345 -> 1.286. On thin grids (32-column tiles) 64 rows: the
     # delta's 4x2048x16x128 0.118 -> 0.124, 2x16384x16x128 0.721 -> 0.717. The pass that
-    # forms its scores keeps 64: 0.581 -> 0.713 at 1x8192x96x128 (it spills).
+    # forms its scores keeps 64: 0.581 -> 0.713 at 1x8192x96x128 (it spills), and so does
+    # the backward's states pass (4x4096x64x128, its space timed: 0.608 against 0.622).
     if args["FORM_AQK"]:
         return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
     few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
@@ -99,9 +100,9 @@ def _default(args) -> Config:
     # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
     # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
     deep = few >= 2 or args.get("STATES_ONLY", False)
-    return Config(BV=tile_width(args["V"], 32 if few else 64),
-                  BK=tile_width(args["K"], 64 if few else 128), num_warps=4,
-                  num_stages=3 if deep and sixteen_bit(args) else 2)
+    rows = 64 if few or args.get("STATES_ONLY", False) else 128
+    return Config(BV=tile_width(args["V"], 32 if few else 64), BK=tile_width(args["K"], rows),
+                  num_warps=4, num_stages=3 if deep and sixteen_bit(args) else 2)
 
 
 def _space(args) -> list[Config]:

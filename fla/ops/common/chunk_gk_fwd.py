@@ -552,13 +552,16 @@ def _h_default(args) -> Config:
         # The state in 128-row tiles (H100, Triton 3.6, bf16, 2026-11-27, BK = 64 -> 128,
         # ms): the output pass GLA 1x8192x96x128 0.412 -> 0.395, 8x2048x32x256 1.204 ->
         # 1.112, 4x2048x16x128 0.088 -> 0.074, RWKV6 4x4096x16x128 0.168 -> 0.141; the
-        # backward's h pass (GLA) 0.409 -> 0.383 and 0.958 -> 0.791.
+        # backward's h pass (GLA) 0.409 -> 0.383 and 0.958 -> 0.791. That h pass (no
+        # output) takes a third stage up to K = 128: 0.325 ms against 0.395 at two (GLA
+        # 1x8192x96x128, its space timed; the best, 32 columns at 8 warps, 0.315).
         bk = tile_width(args["K"], 128)
         if args["K"] > 128:
             return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=1)
         few = args.get("FEW_PROGRAMS", 0) if sixteen_bit(args) else 0
+        states_only = args["STORE_H"] and not args["STORE_O"] and sixteen_bit(args)
         return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), BK=bk, num_warps=4,
-                      num_stages=3 if few else 2)
+                      num_stages=3 if few or states_only else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
