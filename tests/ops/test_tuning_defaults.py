@@ -122,6 +122,38 @@ DPLR_K128_MS = {
 }
 
 
+# The state passes' row tiles (BK = 64 or 128, ``state_row_heights``) with the rest of each
+# default's config held (H100, Triton 3.6, bf16, 2026-11-27; ms; the 4x4096x64x128,
+# 1x8192x96x128 "h" and 8x2048x32x256 "out" rows from `profile_case --tune`, the others
+# from the op's profile with every pass at 64 rows, then at 128).
+ROW_TILE_MS = {
+    "inter": {  # the delta rule's fused forward pass
+        "1x8192x96x128": {64: 0.701, 128: 0.637},
+        "4x4096x64x128": {64: 0.826, 128: 0.748},
+        "8x2048x32x256": {64: 2.119, 128: 2.076},
+        "2x16384x16x128": {64: 0.721, 128: 0.717},
+        "4x2048x16x128": {64: 0.118, 128: 0.124},
+    },
+    "inter states": {  # the backward's states pass (STATES_ONLY)
+        "4x4096x64x128": {64: 0.608, 128: 0.622},
+    },
+    "gk out": {  # GLA / RWKV6's output pass on the gated operands
+        "1x8192x96x128": {64: 0.416, 128: 0.401},
+        "8x2048x32x256": {64: 1.203, 128: 1.115},
+        "4x2048x16x128": {64: 0.088, 128: 0.074},
+    },
+    "gk h": {  # their backward's h pass (three stages)
+        "1x8192x96x128": {64: 0.362, 128: 0.325},
+    },
+    "dhu GK": {  # their reverse pass
+        "1x8192x96x128": {64: 0.561, 128: 0.521},
+        "8x2048x32x256": {64: 1.461, 128: 1.339},
+        "4x2048x16x128": {64: 0.099, 128: 0.105},
+        "2x16384x16x128": {64: 0.576, 128: 0.629},
+    },
+}
+
+
 def _dims(shape: str):
     B, _, H, D = (int(x) for x in shape.split("x"))
     return D, grid_fill(B * H * -(-D // 64), SMS)
@@ -169,6 +201,29 @@ def test_forward_pass_default_follows_the_measured_best():
         config = inter._default(args)
         _follows_the_best(shape, times, config, inter._space(args),
                           (config.meta["BV"], config.num_stages))
+
+
+@pytest.mark.parametrize("kernel", list(ROW_TILE_MS))
+def test_state_row_tiles_follow_the_measured_best(kernel):
+    """128-row state tiles where they measured faster (full grids; GLA's passes on the
+    gated operands), 64 rows elsewhere; each default's height within 5% of the faster."""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_gk_fwd
+    for shape, times in ROW_TILE_MS[kernel].items():
+        D, few = _dims(shape)
+        if kernel.startswith("inter"):
+            config = chunk_fwd_inter._default(dict(
+                K=D, V=D, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=False,
+                FEW_PROGRAMS=few, STATES_ONLY=kernel == "inter states"))
+            space = chunk_fwd_inter._space(dict(K=D, V=D, k=BF16, DELTA=True, FORM_AQK=False))
+        elif kernel.startswith("gk"):
+            args = dict(K=D, V=D, k=BF16, GATED_OPERANDS=True, STORE_O=kernel == "gk out",
+                        STORE_H=kernel == "gk h", FEW_PROGRAMS=few)
+            config, space = chunk_gk_fwd._h_default(args), chunk_gk_fwd._h_space(args)
+        else:
+            config, space = _pick(kernel, D, few)
+        picked = times[config.meta["BK"]]
+        assert picked <= 1.05 * min(times.values()), (kernel, shape, config, times)
+        assert config in space, (kernel, shape, config)
 
 
 @pytest.mark.parametrize("kernel", list(STAGE_MS))

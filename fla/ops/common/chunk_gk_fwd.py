@@ -559,7 +559,8 @@ def _h_default(args) -> Config:
         if args["K"] > 128:
             return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=1)
         few = args.get("FEW_PROGRAMS", 0) if sixteen_bit(args) else 0
-        states_only = args["STORE_H"] and not args["STORE_O"] and sixteen_bit(args)
+        states_only = (args.get("STORE_H") and not args.get("STORE_O", True)
+                       and sixteen_bit(args))
         return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), BK=bk, num_warps=4,
                       num_stages=3 if few or states_only else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
