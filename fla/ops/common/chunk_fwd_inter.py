@@ -17,9 +17,8 @@ Ai.
 
 One program per (V tile, head, sequence) walks the sequence's chunks; the K x BV fp32
 state lives in up to four register tiles of BK = 64 or 128 rows (a tuning choice, see
-``_default``; K ≤ 4·BK). Programs of one head's V
-tiles are adjacent in the grid, so they run together and share Q, K, Ai and Aqk through
-the L2 cache.
+``_default``; K ≤ 4·BK). Programs of one head's V tiles are adjacent in the grid, so they
+run together and share Q, K, Ai and Aqk through the L2 cache.
 
 Simple GLA (no delta) with K ≤ 128 may pass no Aqk (``FORM_AQK``): the pass then
 accumulates each chunk's Q Kᵀ beside Q S over the same tiles and gates it itself

@@ -653,10 +653,10 @@ def chunk_gk_fwd_h_kernel(
 ):
     """Grid ``(cdiv(V, BV), H, P)``: one program walks one sequence's chunks for one V
     tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64 or 128, a
-    tuning choice). P = N, or
-    with ``SPLIT`` one program per row of ``segments [P, 3]`` int32 (sequence, first
-    chunk, end chunk) walking that segment's chunks, ``h0`` and ``ht`` then indexed by
-    segment (h, o still by the sequence's tokens and global chunks).
+    tuning choice). P = N, or with ``SPLIT`` one program per row of ``segments [P, 3]``
+    int32 (sequence, first chunk, end chunk) walking that segment's chunks, ``h0`` and
+    ``ht`` then indexed by segment (h, o still by the sequence's tokens and global
+    chunks).
     A ``TRANSITION`` (with ``SPLIT``, no o, no h) starts from zeros and stores the
     segment's X to ``ht [P, H, K, V]`` and, from the first V tile's program, its log
     decay d = Σ γ_C over its chunks to ``seg_decay [P, H, K]`` (fp32): over the segment

@@ -25,9 +25,10 @@ def tile_width(size: int, cap: int) -> int:
 
 def state_row_heights(K: int) -> tuple[int, ...]:
     """Row heights a sequential chunk pass may hold its K x BV fp32 state at, as up to four
-    [BK, BV] register tiles: 64, and from K = 128 on also 128, which halves the dots a
-    chunk (one 128-deep K S or Q S instead of two 64-deep ones chained through their
-    accumulator, one Kᵀ Vn update tile instead of two) for the same registers."""
+    [BK, BV] register tiles: 64 (K's width below it), and above K = 64 also 128, which
+    halves the dots a chunk at K = 128 (one 128-deep K S or Q S instead of two 64-deep
+    ones chained through their accumulator, one Kᵀ Vn update tile instead of two) for
+    the same registers."""
     return tuple(sorted({tile_width(K, 64), tile_width(K, 128)}))
 
 
