@@ -524,6 +524,37 @@ def test_forward_without_gradients_matches_forward_with(variant, device, seed):
     assert_rel_close("final_state", ht_plain, ht_grad.detach(), 1e-5)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("variant", ["gla", "rwkv6"])
+def test_forward_without_gradients_under_steep_gates(variant, device, seed):
+    """Gates of −10 to −20 a step (γ down to ~−1300 at a chunk's end, where fp32 holds
+    ~1e-4 of it): the state is mostly each chunk's last tokens, k ⊙ e^{γ_C − γ} with an
+    exponent near 0, which must come out as 0 there. A forward that feeds no backward
+    (the scores kernel's chunk form, γ_C from its own cumsum) gives the final state and
+    output as close to float64 as fp32 allows (its γ_C taken as a separate sum of g had
+    the final state ~1e-4 off on the H100)."""
+    from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
+    from tests.ops import test_rwkv6
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=40, high=160)
+    cu = cu_seqlens_of(lengths)
+    make = test_rwkv6.make_inputs if variant == "rwkv6" else make_inputs
+    x = make(gen, B=1, T=sum(lengths), H=2, K=32, V=16, N=3)
+    gate = "w" if variant == "rwkv6" else "g"
+    x[gate] = -10 - 10 * torch.rand(x[gate].shape, generator=gen, dtype=torch.float64)
+    if variant == "rwkv6":
+        fn, ref = chunk_rwkv6, naive_recurrent_rwkv6
+    else:
+        fn, ref = chunk_gla, naive
+    with torch.no_grad():
+        o, ht = fn(**{n: t.float().to(device) for n, t in x.items()},
+                   output_final_state=True, cu_seqlens=cu.to(device))
+        rounded = {n: t.float().double() for n, t in x.items()}
+        o_ref, ht_ref = ref(**rounded, output_final_state=True, cu_seqlens=cu)
+    assert_rel_close("final_state", ht, ht_ref, 1e-5)
+    assert_rel_close("o", o, o_ref, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("mode", list(OPS))
 def test_torch_paths_match_float64_loop(mode, dtype, seed, monkeypatch):

@@ -321,10 +321,17 @@ def _gk_fwd_A_chunk_form(q_b, k_b, g_b, gc_b, u_h, A_b, qg_b, kg_b, L, HK, K: tl
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         o_tk = o_t[:, None] * HK + o_k[None, :]
-        # Rows past the chunk's end load g = 0: the column sums are γ at the last valid row.
+        # Rows past the chunk's end load g = 0: their γ stays finite (and masked below).
         b_gi = tl.load(g_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         b_g = tl.cumsum(b_gi, axis=0)
-        b_gl = tl.sum(b_gi, axis=0)
+        # γ_C is the cumsum's own row at the last valid token, the very value its γ_t
+        # is, so that the last token's k ⊙ e^{γ_C − γ_t} has exponent 0 exactly. Not a
+        # separate sum of g, nor the scan's row 63 past a short chunk's end: each rounds
+        # apart from that row (a parallel scan associates rows differently) by ulps of
+        # γ, whose magnitude reaches ~1000 under steep gates, and the state, which those
+        # last tokens dominate then, carried it (fp32 on the GPU: the final state up to
+        # 6.6e-5 off the float64 loop, against ~2e-6 for the strips' stored γ).
+        b_gl = tl.sum(tl.where(o_t[:, None] == L - 1, b_g, 0.), axis=0)
         tl.store(gc_b + (L - 1) * HK + o_k, b_gl, mask=m_k)
         if EXCLUSIVE:
             b_gq = b_g - b_gi
