@@ -130,7 +130,6 @@ ROW_TILE_MS = {
     "inter": {  # the delta rule's fused forward pass
         "1x8192x96x128": {64: 0.701, 128: 0.637},
         "4x4096x64x128": {64: 0.826, 128: 0.748},
-        "8x2048x32x256": {64: 2.119, 128: 2.076},
         "2x16384x16x128": {64: 0.721, 128: 0.717},
         "4x2048x16x128": {64: 0.118, 128: 0.124},
     },
@@ -151,6 +150,20 @@ ROW_TILE_MS = {
         "4x2048x16x128": {64: 0.099, 128: 0.105},
         "2x16384x16x128": {64: 0.576, 128: 0.629},
     },
+}
+
+
+# The fused forward pass with the delta at K = V = 256 on a full grid: the op's forward
+# (ms, H100, Triton 3.6, bf16, 8x2048x32x256, 2026-11-27; each config forced in its own
+# process, outputs bit-equal to the old default's) by (BK, BV, warps, stages). The
+# default until then, (128, 32, 4, 2), held one program an SM by its shared memory.
+# (The 2026-11-27 row-tile pair of this shape, 64 -> 128 rows at 32 columns / 4 warps:
+# 2.119 -> 2.076 ms for the pass alone.)
+WIDE_PASS_MS = {
+    "8x2048x32x256": {(128, 32, 4, 2): 2.665, (128, 32, 4, 1): 2.548, (64, 32, 4, 1): 3.230,
+                      (64, 64, 4, 1): 2.409, (128, 64, 4, 1): 2.504, (128, 64, 8, 1): 2.707,
+                      (128, 64, 8, 2): 2.061, (64, 64, 8, 2): 2.159, (128, 32, 8, 2): 3.094,
+                      (64, 32, 8, 2): 3.459},
 }
 
 
@@ -201,6 +214,38 @@ def test_forward_pass_default_follows_the_measured_best():
         config = inter._default(args)
         _follows_the_best(shape, times, config, inter._space(args),
                           (config.meta["BV"], config.num_stages))
+
+
+def test_wide_forward_pass_default_follows_the_measured_best():
+    """At K = 256 the delta rule's output pass takes 64 columns at 8 warps (half the
+    programs re-reading Q and K through L2), where the Triton release builds them."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    for shape, times in WIDE_PASS_MS.items():
+        D, few = _dims(shape)
+        args = dict(K=D, V=D, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=False,
+                    FEW_PROGRAMS=few)
+        config = inter._default(args)
+        entry = (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
+        _follows_the_best(shape, times, config, inter._space(args), entry)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_wide_forward_pass_leaves_eight_warps_where_triton_cannot_build_them(monkeypatch,
+                                                                            ok):
+    """Triton 3.3.1 aborts building the K = 256 output pass at 8 warps (offline sm_90,
+    2026-11-27): there neither its default nor its space has 8 warps, nor do fp32
+    operands (their two stages would not fit the shared memory), nor the split's
+    transitions, the backward's states pass or thin grids, whose rules were not timed."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
+    base = dict(K=256, V=256, DELTA=True, FORM_AQK=False, TRANSITION=False, FEW_PROGRAMS=0)
+    assert (inter._default(dict(base, k=BF16)).num_warps == 8) == ok
+    assert (8 in {c.num_warps for c in inter._space(dict(base, k=BF16))}) == ok
+    assert 8 not in {c.num_warps for c in inter._space(dict(base, k=FP32))}
+    for other in (dict(k=FP32), dict(k=BF16, TRANSITION=True), dict(k=BF16, STATES_ONLY=True),
+                  dict(k=BF16, FEW_PROGRAMS=1), dict(k=BF16, DELTA=False)):
+        assert inter._default(dict(base, **other)).num_warps == 4, other
 
 
 @pytest.mark.parametrize("kernel", list(ROW_TILE_MS))

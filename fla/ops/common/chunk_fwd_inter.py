@@ -52,7 +52,7 @@ from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
 from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
-from fla.utils.triton_facts import dot_precision, multiprocessor_count
+from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_fwd_inter", "MAX_K_FORMING_SCORES"]
@@ -92,6 +92,16 @@ def _default(args) -> Config:
         return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
     few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
     if args["K"] > 128:
+        if (args["DELTA"] and not few and not args["TRANSITION"]
+                and not args.get("STATES_ONLY", False) and sixteen_bit(args)
+                and 8 in warp_choices(stmatrix_prone=True)):
+            # The output pass with the delta on a full grid: 64 columns at 8 warps, half
+            # the programs re-reading each chunk's [64, K] Q and K tiles through L2 (H100,
+            # Triton 3.6, bf16, 8x2048x32x256, each config forced in its own process, the
+            # op's forward: 2.061 ms against 2.684 at 32 columns / 4 warps, 2.159 at 64
+            # rows; 32 columns at one stage 2.548, 64 at 4 warps one stage 2.504).
+            return Config(BV=tile_width(args["V"], 64), BK=tile_width(args["K"], 128),
+                          num_warps=8, num_stages=2)
         return Config(BV=tile_width(args["V"], 32),
                       BK=tile_width(args["K"], 64 if few else 128), num_warps=4, num_stages=2)
     if args["DELTA"] and args["TRANSITION"]:
@@ -119,8 +129,17 @@ def _space(args) -> list[Config]:
                 for s in (1, 2, 3)]
     rows = state_row_heights(args["K"])
     if args["K"] > 128:
+        # 64 columns at 8 warps and two stages (one program an SM by its registers, ~172
+        # KB of shared memory in 16-bit, past the 227 KB in fp32): correct at K = 256 on
+        # H100 / Triton 3.6 on 2026-11-27, as was every 32- and 64-column config forced
+        # there (the faults above were the kernel of 2026-11-22, before the K tiles'
+        # reuse and the whole-row loads). Triton 3.3.1 aborts building them (offline
+        # sm_90, ConvertTritonGPUToLLVM), as it does the other 8-warp state passes.
+        wide = ([Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=8, num_stages=2)
+                 for bk in rows]
+                if sixteen_bit(args) and 8 in warp_choices(stmatrix_prone=True) else [])
         return [Config(BV=tile_width(args["V"], 32), BK=bk, num_warps=4, num_stages=s)
-                for bk in rows for s in (1, 2)]
+                for bk in rows for s in (1, 2)] + wide
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
     # With the delta, BV = 32 at one stage faulted with an illegal address at K = V = 64
     # once the update reused K's tiles (H100, Triton 3.6; every other config of the space
