@@ -576,51 +576,46 @@ def test_host_python_times_the_triton_path_without_launching(op, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
-# force_configs
+# scripts/config_isolation.py: configs forced where a launch's arguments match
 
 
-def test_force_configs_parses_configs_and_conditions():
-    from benchmarks.force_configs import parse_config, parse_items
+def _config_isolation():
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "scripts" / "config_isolation.py"
+    spec = importlib.util.spec_from_file_location("config_isolation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_isolation_parses_configs_and_conditions():
     from fla.utils.tuning import Config
-    assert parse_items("K=256, USE_W=True,FEW_PROGRAMS=0,h0=None,k=bf16") == {
-        "K": 256, "USE_W": True, "FEW_PROGRAMS": 0, "h0": None, "k": "bf16"}
-    assert parse_items("") == {}
-    assert parse_config("BV=64,BK=128,num_warps=8,num_stages=2") == Config(
+    tool = _config_isolation()
+    assert tool.parse_items("K=256, USE_W=True,FEW_PROGRAMS=0,h0=None,name=x") == {
+        "K": 256, "USE_W": True, "FEW_PROGRAMS": 0, "h0": None, "name": "x"}
+    assert tool.parse_items("") == {}
+    assert tool.parse_config("BV=64,BK=128,num_warps=8,num_stages=2") == Config(
         BV=64, BK=128, num_warps=8, num_stages=2)
-    assert parse_config("BV=32") == Config(BV=32)
+    assert tool.parse_config("BV=32") == Config(BV=32)
     for bad in ("BV", "=3", "BV=32,num_warps"):
         with pytest.raises(ValueError):
-            parse_config(bad)
+            tool.parse_config(bad)
 
 
-def test_force_configs_rule_applies_only_where_every_condition_holds():
-    from benchmarks.force_configs import forcing_rule
-    from fla.utils.tuning import Config
-    default = Config(BV=32, num_warps=4, num_stages=2)
-    forced = Config(BV=64, num_warps=8, num_stages=2)
-    rule = forcing_rule(lambda args: default, forced, {"K": 256, "STATES_ONLY": None})
-    assert rule({"K": 256, "USE_W": True}) == forced          # a missing name is None
-    assert rule({"K": 256, "STATES_ONLY": None}) == forced
-    assert rule({"K": 256, "STATES_ONLY": True}) == default
-    assert rule({"K": 128}) == default
-    assert forcing_rule(lambda args: default, forced, {})({"K": 1}) == forced
+def test_config_isolation_forces_only_where_every_condition_holds():
+    tool = _config_isolation()
+    where = {"K": 256, "STATES_ONLY": None}
+    assert tool.matches({"K": 256, "USE_W": True}, where)       # a missing one is None
+    assert tool.matches({"K": 256, "STATES_ONLY": None}, where)
+    assert not tool.matches({"K": 256, "STATES_ONLY": True}, where)
+    assert not tool.matches({"K": 128}, where)
+    assert tool.matches({"K": 1}, {})
 
 
-def test_force_configs_relative_difference():
-    from benchmarks.force_configs import relative_difference
-    x = torch.tensor([3.0, 4.0])
-    assert relative_difference(x, x) == 0.0
-    assert relative_difference(torch.tensor([3.0, 4.5]), x) == pytest.approx(0.1)
-    assert relative_difference(torch.tensor([3.0, float("nan")]), x) == float("inf")
-    assert relative_difference(torch.zeros(3), x) == float("inf")            # shape
-    assert relative_difference(torch.zeros(2), torch.zeros(2)) == 0.0
-    assert relative_difference(torch.ones(2), torch.zeros(2)) == float("inf")
-
-
-def test_force_configs_refuses_a_bad_config_before_running_anything(monkeypatch):
-    from benchmarks import force_configs
-    ran = []
-    monkeypatch.setattr(force_configs.subprocess, "run", lambda *a, **k: ran.append(a))
+def test_config_isolation_refuses_a_bad_config_before_running_anything(monkeypatch):
+    tool = _config_isolation()
+    monkeypatch.setattr(tool, "_case", lambda *a: pytest.fail("ran the case"))
     with pytest.raises(ValueError):
-        force_configs.main(["chunk_gla/8x2048x32x256", "--kernel", "m:k", "--config", "BV"])
-    assert not ran
+        tool.main(["chunk_gla/8x2048x32x256", "--only", "x", "--config", "BV"])
+    with pytest.raises(ValueError):
+        tool.main(["chunk_gla/8x2048x32x256", "--where", "K"])
