@@ -234,8 +234,9 @@ def test_wide_forward_pass_leaves_eight_warps_where_triton_cannot_build_them(mon
                                                                             ok):
     """Triton 3.3.1 aborts building the K = 256 output pass at 8 warps (offline sm_90,
     2026-11-27): there neither its default nor its space has 8 warps, nor do fp32
-    operands (their two stages would not fit the shared memory), nor the split's
-    transitions, the backward's states pass or thin grids, whose rules were not timed."""
+    operands (their two stages would not fit the shared memory), nor a split's passes
+    (whose launch model counts 32-column programs), the backward's states pass or thin
+    grids, whose rules were not timed."""
     from fla.ops.common import chunk_fwd_inter as inter
     from fla.utils import triton_facts
     monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
@@ -244,7 +245,8 @@ def test_wide_forward_pass_leaves_eight_warps_where_triton_cannot_build_them(mon
     assert (8 in {c.num_warps for c in inter._space(dict(base, k=BF16))}) == ok
     assert 8 not in {c.num_warps for c in inter._space(dict(base, k=FP32))}
     for other in (dict(k=FP32), dict(k=BF16, TRANSITION=True), dict(k=BF16, STATES_ONLY=True),
-                  dict(k=BF16, FEW_PROGRAMS=1), dict(k=BF16, DELTA=False)):
+                  dict(k=BF16, FEW_PROGRAMS=1), dict(k=BF16, DELTA=False),
+                  dict(k=BF16, SPLIT=True)):
         assert inter._default(dict(base, **other)).num_warps == 4, other
 
 
