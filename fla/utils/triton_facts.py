@@ -61,7 +61,9 @@ MIN_DOT_TILE = 32
 # Each chunk is filled in with a single warp" (offline sm_90 compile, every BV and stage
 # count), and so the state passes at K = 256 (chunk_gated_delta_rule_fwd_h_kernel and
 # chunk_gated_delta_rule_bwd_dhu_kernel, 8 warps, BV = 32 and 64) and the WY backward at
-# 8 warps (prepare_wy_repr_bwd_kernel, K = 128 and 256, every tile). On the GPU (H100
+# 8 warps (prepare_wy_repr_bwd_kernel, K = 128 and 256, every tile), and the fused
+# forward pass's K = 256 output pass at 8 warps (chunk_gated_delta_rule_fwd_inter_kernel,
+# 2026-11-27: ConvertTritonGPUToLLVM fails). On the GPU (H100
 # config sweeps) also fwd_h with W at K = 128 and bwd_dhu at K = 64 and 128. 3.6 and 3.9
 # compile all of them (their tuning spaces keep 8 warps only there). 3.4.0 and 3.5.1
 # build them offline too (sm_90, 2026-11-26) but have not run them on a GPU: treated as

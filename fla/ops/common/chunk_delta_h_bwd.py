@@ -41,6 +41,12 @@ from fla.utils.tuning import Config, tuned
 __all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
 
 
+def _vector_gate_on_gated_operands(args) -> bool:
+    """The vector gate (GLA, RWKV6) reading the forward's gated operands: no γ tile
+    staged, and the only reverse pass whose state takes 128-row tiles."""
+    return bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+
+
 def _dhu_default(args) -> Config:
     # dS lives in registers as up to four [64, BV] fp32 tiles: with K = 256 and 4 warps,
     # BV = 32 keeps it at 64 registers per thread and leaves room for the operands.
@@ -63,7 +69,7 @@ def _dhu_default(args) -> Config:
     # launcher passed no FEW_PROGRAMS with the gate, so no thin-grid rule fired),
     # 1x8192x96x128 0.57 against ~0.80.
     few = args.get("FEW_PROGRAMS", 0)
-    gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+    gated_gk = _vector_gate_on_gated_operands(args)
     # dS's row tiles: 128 rows for the vector gate on gated operands where the grid is
     # full (H100, Triton 3.6, bf16, 2026-11-27, BK = 64 -> 128, ms: GLA 1x8192x96x128
     # 0.559 -> 0.512, 8x2048x32x256 1.461 -> 1.339, 4x4096x64x128 0.643 -> 0.624), 64 on
@@ -109,7 +115,7 @@ def _dhu_space(args) -> list[Config]:
     # Triton 3.3.1 aborts building 8 warps at every K, with W or without (H100 config
     # sweeps at K = 64 and 128, 2026-11-26; offline builds had shown it at K = 256 only).
     warps = warp_choices(stmatrix_prone=True)
-    gated_gk = bool(args.get("USE_GK") and args.get("GATED_OPERANDS"))
+    gated_gk = _vector_gate_on_gated_operands(args)
     rows = state_row_heights(args["K"]) if gated_gk else (tile_width(args["K"], 64),)
     return [Config(BV=bv, BK=bk, num_warps=w, num_stages=s)
             for bv in bvs for bk in rows for w in warps for s in _dhu_stages(args)]
