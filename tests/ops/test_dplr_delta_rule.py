@@ -180,3 +180,26 @@ def test_every_tuning_config_of_the_chunk_kernels(D, monkeypatch):
     assert len(launched) == len(modules), [name for name, *_ in launched]
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.interpret
+def test_forward_without_gradients_under_steep_gates(device, seed):
+    """Gates of −2.5 to −5 a step (the steepest the op documents): the state is mostly each chunk's last tokens, scaled by
+    e^{γ_C − γ} with an exponent that must be exactly 0 at the last token. With sequences
+    that end inside a chunk, γ_C taken as the scan's last row (rows past the end added as
+    zeros, associated differently by a parallel scan) rather than the last token's row put
+    that exponent ulps of ~300 away from 0. Final state and output against float64."""
+    from fla.ops.generalized_delta_rule import naive_recurrent_dplr_delta_rule
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=40, high=160)
+    cu = cu_seqlens_of(lengths)
+    x = make_inputs(gen, B=1, T=sum(lengths), H=2, K=32, V=16, N=3)
+    x["gk"] = -2.5 - 2.5 * torch.rand(x["gk"].shape, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        o, ht = chunk_dplr_delta_rule(**{n: t.float().to(device) for n, t in x.items()},
+                                      output_final_state=True, cu_seqlens=cu.to(device))
+        o_ref, ht_ref = naive_recurrent_dplr_delta_rule(
+            **{n: t.float().double() for n, t in x.items()}, output_final_state=True,
+            cu_seqlens=cu)
+    assert_rel_close("final_state", ht, ht_ref, 1e-5)
+    assert_rel_close("o", o, o_ref, 1e-5)

@@ -42,8 +42,12 @@ def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
     """γ (inclusive), γ⁻ (exclusive) chunk-local cumulative gates [BT, BK] and γ_C."""
     g = chunk_tokens(gk, row, K, H, o_t, m_t, o_k, m_k)
     c = tl.cumsum(g, axis=0)
-    # Padded rows read gk = 0, so the last row holds the last valid token's γ.
-    last = tl.sum(tl.where(o_t[:, None] == BT - 1, c, 0.0), axis=0)
+    # γ_C is the scan's own row at the last valid token, not its last row: a parallel
+    # scan associates the padded rows' zeros differently, so in a chunk cut short the last
+    # row can sit ulps from the last token's, and that token's e^{γ_C − γ} must be exactly 1
+    # (the same defect fixed in GLA's chunk form, chunk_gk_fwd._gk_fwd_A_chunk_form).
+    last_row = tl.sum(m_t.to(tl.int32), axis=0) - 1
+    last = tl.sum(tl.where(o_t[:, None] == last_row, c, 0.0), axis=0)
     return c, c - g, last
 
 
