@@ -416,6 +416,39 @@ def test_wy_repr_bwd(case, dtype, use_g, device, seed):
         assert dg is None
 
 
+@pytest.mark.interpret
+def test_wy_repr_bwd_adds_into_given_buffers(device, seed):
+    """dk_acc / dg_acc: the WY part is added into them in place (the result is them, equal
+    to the separate part plus their old value); a buffer the kernel would address wrongly
+    is refused."""
+    gen = generator(seed)
+    case = CASES[-1].values[0]                    # varlen
+    B, T, cu, seqs, k, v, beta, gam = wy_inputs(case, torch.float32, True, gen)
+    H, K, V = case["H"], case["K"], case["V"]
+    args = [to_dev(x, device) for x in (k, v, beta)]
+    Ai = randn((B, T, H, BT), gen, torch.float32, device)
+    dw, du = randn((B, T, H, K), gen, torch.float32, device), randn((B, T, H, V), gen,
+                                                                     torch.float32, device)
+    kw = dict(g=to_dev(gam.float(), device), cu_seqlens=to_dev(cu, device))
+    dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(*args, Ai, dw, du, **kw)
+    dk_old = randn((B, T, H, K), gen, torch.float32, device)
+    dg_old = randn((B, T, H), gen, torch.float32, device)
+    dk_acc, dg_acc = dk_old.clone(), dg_old.clone()
+    dk, dv2, dbeta2, dg = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc,
+                                              dg_acc=dg_acc, **kw)
+    assert dk is dk_acc and dg is dg_acc
+    assert_rel_close("dk", dk, dk_wy.double() + dk_old.double(), 1e-6)
+    assert_rel_close("dg", dg, dg_wy.double() + dg_old.double(), 1e-6)
+    assert torch.equal(dv, dv2) and torch.equal(dbeta, dbeta2)
+    with pytest.raises(ValueError, match="dk_acc and dg_acc"):
+        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.clone(), **kw)
+    with pytest.raises(ValueError, match="dk_acc: expected a contiguous"):
+        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.half(), dg_acc=dg_old, **kw)
+    with pytest.raises(ValueError, match="dg_acc: expected a contiguous"):
+        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.clone(),
+                            dg_acc=dg_old[..., :1].expand_as(dg_old), **kw)
+
+
 # ---------------------------------------------------------------------------------------
 # End to end: the four stages compose into the gradient of the recurrence
 # ---------------------------------------------------------------------------------------
@@ -454,10 +487,11 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device)
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
         scale=scale, **varlen)
-    dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(
-        dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], **varlen)
-    dk = dk.to(F64) + dk2.to(F64)
-    dg = local_cumsum((dg + dg2).to(F64), seqs, reverse=True)
+    # As the op does: the WY part added into dqkwg's dk and dγ in place.
+    dk, dv, dbeta, dg = prepare_wy_repr_bwd(
+        dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], dk_acc=dk,
+        dg_acc=dg, **varlen)
+    dg = local_cumsum(dg.to(F64), seqs, reverse=True)
     return (dq, dk, dv, dg, dbeta, dh0), o
 
 

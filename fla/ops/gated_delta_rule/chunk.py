@@ -97,12 +97,12 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_ind
                                      chunk_size=CHUNK_SIZE, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
     del h, v_new, dh, w
-    dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, **varlen)
-    dk += dk_wy   # dk is this step's own buffer
-    del dk_wy
+    # The WY part of dk and dγ is added into dqkwg's (this step's own buffers) in place.
+    dk, dv, dbeta, dg = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, dk_acc=dk,
+                                            dg_acc=dg, **varlen)
     if g_cum is not None:
         # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
-        dg = chunk_local_cumsum_fwd(dg + dg_wy, CHUNK_SIZE, reverse=True,
+        dg = chunk_local_cumsum_fwd(dg, CHUNK_SIZE, reverse=True,
                                     output_dtype=g_dtype, **varlen)
     return (dq, dk, dv, dg, dbeta.to(beta.dtype),
             None if initial_state is None else dh0.to(initial_state.dtype))
