@@ -450,3 +450,34 @@ def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
                                          if kernel.startswith("fwd_h") else {}))
     config = default(args)
     _follows_the_best(kernel, DPLR_K128_MS[kernel], config, space(args), _entry(kernel, config))
+
+
+# The split's pieces without the delta (simple GLA at 2x16384x16x128; H100, Triton 3.6,
+# bf16, 2026-11-27, `profile_case --tune`): the transitions (BK, BV, warps, stages) and
+# the scalar combine (BV, warps, stages).
+SPLIT_MS = {
+    "transition": {(64, 64, 4, 3): 0.1042, (128, 64, 4, 3): 0.1043, (64, 32, 4, 2): 0.1170,
+                   (128, 32, 4, 2): 0.1180, (64, 64, 4, 2): 0.1216, (128, 64, 4, 2): 0.1286,
+                   (128, 64, 4, 1): 0.1388},
+    "combine": {(32, 8, 2): 0.0130, (32, 8, 1): 0.0131, (64, 2, 2): 0.0157,
+                (32, 4, 2): 0.0168, (64, 4, 2): 0.0170, (32, 2, 2): 0.0201},
+}
+
+
+def test_split_pieces_without_the_delta_follow_the_measured_best():
+    """Simple GLA's transitions take a third stage (no Q tiles: the shared memory is
+    there) and the scalar combine 8 warps; the delta's transitions keep their rule."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    args = dict(K=128, V=128, k=BF16, DELTA=False, FORM_AQK=False, TRANSITION=True,
+                SPLIT=True, FEW_PROGRAMS=0)
+    config = inter._default(args)
+    entry = (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
+    _follows_the_best("transition", SPLIT_MS["transition"], config, inter._space(args),
+                      entry)
+    delta = inter._default(dict(args, DELTA=True))
+    assert (delta.meta["BV"], delta.num_stages) == (32, 2)
+    args = dict(K=128, V=128, h0=None, FORM="scalar")
+    config = inter._combine_default(args)
+    _follows_the_best("combine", SPLIT_MS["combine"], config, inter._combine_space(args),
+                      (config.meta["BV"], config.num_warps, config.num_stages))
+    assert inter._combine_default(dict(args, FORM="delta")).num_warps == 4

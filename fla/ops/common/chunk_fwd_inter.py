@@ -111,7 +111,11 @@ def _default(args) -> Config:
         few = max(few, 1)
     # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
     # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
-    deep = few >= 2 or args.get("STATES_ONLY", False)
+    # So have a split's transitions without the delta (simple GLA's, no Q tiles either):
+    # 0.104 ms against 0.129 at 2x16384x16x128 (H100, Triton 3.6, bf16, 2026-11-27, the
+    # space timed by `profile_case --tune`; 64 or 128 rows alike).
+    deep = (few >= 2 or args.get("STATES_ONLY", False)
+            or (args["TRANSITION"] and not args["DELTA"]))
     rows = 64 if few or args.get("STATES_ONLY", False) else 128
     return Config(BV=tile_width(args["V"], 32 if few else 64), BK=tile_width(args["K"], rows),
                   num_warps=4, num_stages=3 if deep and sixteen_bit(args) else 2)
@@ -434,7 +438,11 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 
 
 def _combine_default(args) -> Config:
-    return Config(BV=tile_width(args["V"], 32), num_warps=4, num_stages=2)
+    # The scalar form (simple GLA: an elementwise S ← e^d S + X a segment, no dot) is bound
+    # by its loads: 8 warps keep more in flight (H100, Triton 3.6, 2x16384x16x128, the
+    # space timed 2026-11-27: 13.0 µs against 16.8 at 4). The other forms were not timed.
+    return Config(BV=tile_width(args["V"], 32),
+                  num_warps=8 if args["FORM"] == "scalar" else 4, num_stages=2)
 
 
 def _combine_space(args) -> list[Config]:
