@@ -133,14 +133,16 @@ def test_scores_kept_only_for_a_backward(varlen, device, seed):
     chunks = None if cu is None else prepare_chunk_indices(cu, 64)
     offsets = None if cu is None else cu.tolist()
     args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], 0.25, True)
-    o0, ht0, _, none = simple_gla_chunk._forward(*args, False, cu, chunks, offsets)
-    o, ht, g_cum, Aqk = simple_gla_chunk._forward(*args, True, cu, chunks, offsets)
+    o0, ht0, _, none, _ = simple_gla_chunk._forward(*args, False, cu, chunks, offsets)
+    o, ht, g_cum, Aqk, segment_states = simple_gla_chunk._forward(*args, True, cu, chunks,
+                                                                  offsets)
     assert none is None and Aqk.shape == (*x["k"].shape[:3], 64)
     assert torch.equal(o0, o) and torch.equal(ht0, ht)
     do = randn(o.shape, gen, torch.float32).to(device)
     dht = randn(ht.shape, gen, torch.float32).to(device)
     bwd = (x["q"], x["k"], x["v"], g_cum)
-    rest = (x["initial_state"], cu, chunks, do, dht, 0.25, torch.float32)
+    rest = (segment_states, x["initial_state"], cu, chunks, offsets, do, dht, 0.25,
+            torch.float32)
     kept = simple_gla_chunk._backward(*bwd, Aqk, *rest)
     formed = simple_gla_chunk._backward(*bwd, None, *rest)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), kept, formed):
@@ -219,19 +221,33 @@ def test_backward_without_scores_above_k128_is_refused():
     q = k = torch.zeros(1, 8, 1, 160)
     v = do = torch.zeros(1, 8, 1, 16)
     with pytest.raises(RuntimeError, match="above K = 128"):
-        simple_gla_chunk._backward(q, k, v, None, None, None, None, None, do, None, 1.0, None)
+        simple_gla_chunk._backward(q, k, v, None, None, None, None, None, None, None, do, None,
+                                   1.0, None)
 
 
 @pytest.mark.interpret
-def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
-    """The split state pass (few long sequences on a large GPU), forced at every chunk."""
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "batch"])
+def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypatch):
+    """The split state pass (few long sequences on a large GPU), forced at every chunk.
+    The backward recomputes the states segment by segment from the forward's segment
+    states, never by the sequential walk (which would fail here)."""
     from fla.ops.common import chunk_fwd_inter
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("the backward walked the sequences despite the split")
+
     monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
+    monkeypatch.setattr(simple_gla_chunk, "chunk_gated_delta_rule_fwd_h", no_walk)
     gen = generator(seed)
     lengths = uneven_lengths(2, gen, low=30, high=200)
-    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=16, V=32, N=2)
-    compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen,
-            cu_seqlens=cu_seqlens_of(lengths, device))
+    if varlen:
+        inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=16, V=32, N=2)
+        compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen,
+                cu_seqlens=cu_seqlens_of(lengths, device))
+    else:
+        inputs = make_inputs(gen, B=2, T=lengths[0], H=2, HV=2, K=16, V=32)
+        compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen)
 
 
 @pytest.mark.interpret

@@ -234,10 +234,11 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
     ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`) is read by the tuning
     layer only (the default tile width and stages).
-    With ``STATES_ONLY`` (the delta, no transition) the pass computes no output: it stores
-    each chunk's entering state to ``h [B, NT, H, K, V]`` (``[1, NT_total, ...]`` with
-    varlen, sequence n's chunks from ``chunk_offsets[n]``) and Vn to ``v_new [B, T, H, V]``
-    (what the backward's staged ``chunk_delta_h`` would recompute from W and U).
+    With ``STATES_ONLY`` (no transition) the pass computes no output: it stores each
+    chunk's entering state to ``h [B, NT, H, K, V]`` (``[1, NT_total, ...]`` with varlen,
+    sequence n's chunks from ``chunk_offsets[n]``) and, with the delta, Vn to ``v_new [B,
+    T, H, V]`` (what the backward's staged ``chunk_delta_h`` would recompute from W and
+    U).
     """
     AUGMENTED: tl.constexpr = TRANSITION and DELTA
     W: tl.constexpr = K + V if AUGMENTED else V
@@ -356,7 +357,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                           input_precision=DOT_PRECISION)
         else:
             b_vn = b_v
-        if STATES_ONLY:
+        if STATES_ONLY and DELTA:
             tl.store(v_new + p_tv, b_vn.to(v_new.dtype.element_ty),
                      mask=m_t[:, None] & m_v[None, :])
 
@@ -731,13 +732,14 @@ def _states_shape(k: torch.Tensor, V: int, offsets: list[int], varlen: bool) -> 
 
 
 def state_buffers(k: torch.Tensor, v: torch.Tensor, offsets: list[int] | None,
-                  varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  varlen: bool, delta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Empty ``(h, v_new)`` for :func:`chunk_gated_delta_rule_fwd_inter`'s ``states_out``
-    (``offsets`` None: B sequences of T tokens)."""
+    (``offsets`` None: B sequences of T tokens; ``delta`` False: v_new None)."""
     B, T = k.shape[:2]
     if offsets is None:
         offsets = list(range(0, B * T + 1, T))
-    return k.new_empty(_states_shape(k, v.shape[-1], offsets, varlen)), torch.empty_like(v)
+    h = k.new_empty(_states_shape(k, v.shape[-1], offsets, varlen))
+    return h, torch.empty_like(v) if delta else None
 
 
 def _check_out_buffer(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
@@ -764,8 +766,10 @@ def chunk_gated_delta_rule_fwd_inter(
     offsets: list[int] | None = None,
     segment_chunks: int | None = None,
     scores_out: torch.Tensor | None = None,
-    states_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    states_out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    segment_states: torch.Tensor | None = None,
+    return_segment_states: bool = False,
+):
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
 
@@ -786,18 +790,28 @@ def chunk_gated_delta_rule_fwd_inter(
         scores_out: with Aqk None, a ``[B, T, H, 64]`` tensor in k's dtype that receives
             the scores the pass forms (what ``chunk_fwd_intra`` would have written as
             Aqk), for a backward; None: they are not kept.
-        states_out: ``(h, v_new)`` for the delta rule's backward: contiguous ``h [B, NT,
-            H, K, V]`` (``[1, NT_total, H, K, V]`` with cu_seqlens) and ``v_new`` like v,
-            both in k's dtype, receive each chunk's entering state and Vn = Ai β(V − e^γ
-            K S) (U − W S of the WY form, with no W or U formed); the output is then not
-            computed (q, Aqk and scale are unused, o is None).
+        states_out: ``(h, v_new)`` for a backward: contiguous ``h [B, NT, H, K, V]``
+            (``[1, NT_total, H, K, V]`` with cu_seqlens) and ``v_new`` like v, both in k's
+            dtype, receive each chunk's entering state and Vn = Ai β(V − e^γ K S) (U − W S
+            of the WY form, with no W or U formed); without the delta (Ai None) v_new is
+            None (Vn = V) and only h is stored. The output is then not computed (q, Aqk
+            and scale are unused, o is None).
+        segment_states: ``[P, H, K, V]`` float32, the state entering each segment of the
+            split, as an earlier pass over the same inputs and ``segment_chunks``
+            returned it (``return_segment_states``): the transitions and their combine
+            are skipped and every segment starts from its row (the backward's states
+            without the sequential walk).
+        return_segment_states: also return those states (None when the pass did not
+            split), for a later pass's ``segment_states``.
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype (None with
-        ``states_out``); ``final_state [N, H, K, V]`` float32 or None.
+        ``states_out``); ``final_state [N, H, K, V]`` float32 or None. With
+        ``return_segment_states``, ``(o, final_state, segment_states)``.
     """
-    if states_out is not None and Ai is None:
-        raise ValueError("states_out is for the delta rule's pass (Ai given)")
+    if states_out is not None and (Ai is None) != (states_out[1] is None):
+        raise ValueError("states_out: (h, v_new) with the delta (Ai given), (h, None) "
+                         "without")
     if Aqk is None and Ai is not None and states_out is None:
         raise ValueError("the delta rule's pass needs the intra-chunk Aqk (only simple GLA "
                          "forms it in the pass)")
@@ -817,7 +831,8 @@ def chunk_gated_delta_rule_fwd_inter(
     if states_out is not None:
         h, v_new = states_out
         _check_out_buffer("states_out: h", h, _states_shape(k, V, offsets, varlen), k)
-        _check_out_buffer("states_out: v_new", v_new, tuple(v.shape), k)
+        if v_new is not None:
+            _check_out_buffer("states_out: v_new", v_new, tuple(v.shape), k)
         states = dict(h=h, v_new=v_new, STATES_ONLY=True, chunk_offsets=(
             varlen_chunk_offsets(cu_seqlens, CHUNK, offsets) if varlen else None))
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
@@ -836,6 +851,9 @@ def chunk_gated_delta_rule_fwd_inter(
     if segment_chunks is None:
         segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,
                                                 form_scores)
+    if segment_states is not None and (not segment_chunks or output_final_state):
+        raise ValueError("segment_states: given for a pass that does not split, or with "
+                         "output_final_state (the skipped combine computes the final state)")
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
         # without the delta, where it would only compile identical variants.
@@ -845,23 +863,38 @@ def chunk_gated_delta_rule_fwd_inter(
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False,
             FEW_PROGRAMS=few, **common, **states)
-        return o, final_state
+        return (o, final_state, None) if return_segment_states else (o, final_state)
 
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
-    delta = Ai is not None
-    W = transition_width(K, V, delta)
-    mx = torch.empty(P, H, K, W, dtype=torch.float32, device=k.device)
-    seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32, device=k.device)
-    kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
-        h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
-        STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=0,
-        # The transitions use no scores: one compiled variant (and tuning space) for all.
-        **dict(common, FORM_AQK=False, STORE_AQK=False))
-    seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
-                                    seg_offsets, V, initial_state, final_state)
+    if segment_states is not None:
+        _check_segment_states(segment_states, (P, H, K, V), k.device)
+        seg_h0 = segment_states
+    else:
+        delta = Ai is not None
+        W = transition_width(K, V, delta)
+        mx = torch.empty(P, H, K, W, dtype=torch.float32, device=k.device)
+        seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32,
+                                                   device=k.device)
+        kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
+            h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
+            STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=0,
+            # The transitions use no scores: one compiled variant (and tuning space) for all.
+            **dict(common, FORM_AQK=False, STORE_AQK=False))
+        seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
+                                        seg_offsets, V, initial_state, final_state)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
         STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common,
         **states)
-    return o, final_state
+    return (o, final_state, seg_h0) if return_segment_states else (o, final_state)
+
+
+def _check_segment_states(x: torch.Tensor, shape: tuple, device) -> None:
+    # Read by row offsets from the segment table: another split's states would start
+    # segments from the wrong state, silently.
+    if tuple(x.shape) != shape or x.dtype != torch.float32 or x.device != device \
+            or not x.is_contiguous():
+        raise ValueError(f"segment_states: expected a contiguous float32 {list(shape)} tensor "
+                         f"on {device} (the split's segments), got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
