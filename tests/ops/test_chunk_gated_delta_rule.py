@@ -40,16 +40,28 @@ def test_chunk_varlen_uneven_sequences(dtype, device, seed):
 
 
 @pytest.mark.interpret
-def test_chunk_with_sequences_split_into_segments(device, seed, monkeypatch):
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "batch"])
+def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypatch):
     """The forward's state pass split into segments (what few long sequences get on a
-    large GPU), forced at every chunk here: same outputs, states and gradients."""
+    large GPU), forced at every chunk here: same outputs, states and gradients. The
+    backward restarts every segment from the forward's segment states: the transitions
+    and their combine run once, in the forward."""
     from fla.ops.common import chunk_fwd_inter
+    combines = []
+    combine = chunk_fwd_inter.combine_segment_states
     monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
+    monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states",
+                        lambda *args, **kw: combines.append(1) or combine(*args, **kw))
     gen = generator(seed)
     lengths = uneven_lengths(2, gen, low=30, high=200)
-    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=32, N=2)
-    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen,
-            cu_seqlens=cu_seqlens_of(lengths, device))
+    if varlen:
+        inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=32, N=2)
+        compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen,
+                cu_seqlens=cu_seqlens_of(lengths, device))
+    else:
+        inputs = make_inputs(gen, B=2, T=lengths[0], H=1, HV=2, K=16, V=32)
+        compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen)
+    assert len(combines) == 1
 
 
 @pytest.mark.interpret

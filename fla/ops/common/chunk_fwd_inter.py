@@ -890,6 +890,12 @@ def chunk_gated_delta_rule_fwd_inter(
     return (o, final_state, seg_h0) if return_segment_states else (o, final_state)
 
 
+def split_states(segment_states: torch.Tensor | None) -> torch.Tensor | None:
+    """A step's ``segment_states`` output as its backward takes it: None where the pass did
+    not split (a custom op returns an empty placeholder for None, eager code None)."""
+    return None if segment_states is None or segment_states.numel() == 0 else segment_states
+
+
 def _check_segment_states(x: torch.Tensor, shape: tuple, device) -> None:
     # Read by row offsets from the segment table: another split's states would start
     # segments from the wrong state, silently.

@@ -29,6 +29,7 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.common.chunk_fwd_inter import (
     chunk_gated_delta_rule_fwd_inter,
     default_segment_chunks,
+    split_states,
     state_buffers,
 )
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
@@ -52,10 +53,12 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
              chunk_indices, offsets):
     g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, cu_seqlens=cu_seqlens,
                                                       chunk_indices=chunk_indices)
-    o, final_state = chunk_gated_delta_rule_fwd_inter(
+    # The segment states (where the pass split few long sequences) let the backward
+    # recompute its states without the transitions and their combine.
+    o, final_state, segment_states = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, beta, Ai, Aqk, scale, initial_state, output_final_state,
-        cu_seqlens=cu_seqlens, offsets=offsets)
-    return o, g_cum, Ai, final_state, Aqk
+        cu_seqlens=cu_seqlens, offsets=offsets, return_segment_states=True)
+    return o, g_cum, Ai, final_state, Aqk, segment_states
 
 
 def _states_from_the_forward_pass(k, v, offsets) -> bool:
@@ -73,15 +76,16 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
             or default_segment_chunks(offsets, B, T, H, K, V, True, False) > 0)
 
 
-def _backward(q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices,
-              offsets, do, dht, scale, g_dtype):
+def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, initial_state, cu_seqlens,
+              chunk_indices, offsets, do, dht, scale, g_dtype):
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     if _states_from_the_forward_pass(k, v, offsets):
         h, v_new = state_buffers(k, v, offsets, cu_seqlens is not None)
         chunk_gated_delta_rule_fwd_inter(None, k, v, g_cum, beta, A, None, scale,
                                          initial_state, cu_seqlens=cu_seqlens,
-                                         offsets=offsets, states_out=(h, v_new))
+                                         offsets=offsets, states_out=(h, v_new),
+                                         segment_states=segment_states)
         # W for the reverse pass's Wᵀ dVn. (Formed there from Ai and K instead, the pass
         # took 1.04 ms against 0.69 at 1x8192x96x128 on H100, more than W costs here.)
         w, _ = recompute_w_u_fwd(k, v, beta, A, g_cum, with_u=False, **varlen)
@@ -114,34 +118,36 @@ _chunk_fwd = stage_op(
     "chunk_gated_delta_rule_fwd", _forward, label="gated_delta_rule.fwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor beta, float scale, "
            "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
-           "Tensor? chunk_indices, int[]? offsets) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "Tensor? chunk_indices, int[]? offsets) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_gated_delta_rule_bwd", _backward, label="gated_delta_rule.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor beta, Tensor A, "
-           "Tensor Aqk, Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_indices, "
-           "int[]? offsets, Tensor do, Tensor? dht, float scale, ScalarType? g_dtype) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "Tensor Aqk, Tensor? segment_states, Tensor? initial_state, Tensor? cu_seqlens, "
+           "Tensor? chunk_indices, int[]? offsets, Tensor do, Tensor? dht, float scale, "
+           "ScalarType? g_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
         offsets = inputs
-    _, g_cum, A, _, Aqk = output
+    _, g_cum, A, _, Aqk, segment_states = output
     ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, Aqk,
-                          initial_state, cu_seqlens, chunk_indices)
+                          split_states(segment_states), initial_state, cu_seqlens,
+                          chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
     ctx.output_final_state = output_final_state
     ctx.offsets = offsets
 
 
-def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk):
+def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk, _dsegment_states):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, ctx.offsets, do, dht, ctx.scale,
                                             ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
-            present(dh0, saved[7] is not None), None, None, None, None)
+            present(dh0, saved[8] is not None), None, None, None, None)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -152,8 +158,9 @@ def _backward_args(args, outputs):
     compile-ahead prefetch during the first forward)."""
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
         offsets = args
-    o, g_cum, A, final_state, Aqk = outputs
-    return (q, k, v, g_cum, beta, A, Aqk, initial_state, cu_seqlens, chunk_indices, offsets,
+    o, g_cum, A, final_state, Aqk, segment_states = outputs
+    return (q, k, v, g_cum, beta, A, Aqk, split_states(segment_states), initial_state,
+            cu_seqlens, chunk_indices, offsets,
             torch.empty_like(o), final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
 
@@ -164,8 +171,9 @@ compile_ahead.follow("gated_delta_rule.fwd", "gated_delta_rule.bwd", _backward, 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   chunk_indices, offsets):
     """The Triton path: ``(o, final_state)`` through the custom op."""
-    o, _, _, final_state, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
-                                      output_final_state, cu_seqlens, chunk_indices, offsets)
+    o, _, _, final_state, _, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
+                                         output_final_state, cu_seqlens, chunk_indices,
+                                         offsets)
     return o, present(final_state, output_final_state)
 
 

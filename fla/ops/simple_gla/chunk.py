@@ -27,6 +27,7 @@ from fla.ops.common.chunk_fwd_inter import (
     MAX_K_FORMING_SCORES,
     chunk_gated_delta_rule_fwd_inter,
     default_segment_chunks,
+    split_states,
     state_buffers,
 )
 from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
@@ -170,7 +171,7 @@ def _setup_context(ctx, inputs, output):
     _, _, g_cum, Aqk, segment_states = output
     ctx.save_for_backward(q, k, v, present(g_cum, g is not None),
                           present(Aqk, _scores_kept(k, save_scores)),
-                          _split_states(segment_states), initial_state,
+                          split_states(segment_states), initial_state,
                           cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
@@ -186,11 +187,6 @@ def _backward_formula(ctx, do, dht, _dg_cum, _dAqk, _dsegment_states):
             present(dh0, saved[6] is not None), None, None, None, None, None, None)
 
 
-def _split_states(segment_states):
-    # The op's placeholder for "no split" is an empty tensor (None when run eagerly).
-    return None if segment_states is None or segment_states.numel() == 0 else segment_states
-
-
 def _scores_kept(k, save_scores: bool) -> bool:
     return save_scores or SCORES_IN_PASS_MAX_K < k.shape[-1] <= STAGED_FORWARD_ABOVE_K
 
@@ -204,7 +200,7 @@ def _backward_args(args, outputs):
      chunk_indices, offsets) = args
     o, final_state, g_cum, Aqk, segment_states = outputs
     return (q, k, v, g_cum, present(Aqk, _scores_kept(k, save_scores)),
-            _split_states(segment_states), initial_state, cu_seqlens,
+            split_states(segment_states), initial_state, cu_seqlens,
             chunk_indices, offsets, torch.empty_like(o),
             final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
