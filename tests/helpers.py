@@ -126,6 +126,15 @@ def cu_seqlens_of(lengths: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int64, device=device)
 
 
+def packed_or_batch(lengths: list[int], varlen: bool, device="cpu"):
+    """``(B, T, N, cu_seqlens)`` for sequences of these lengths packed into one row
+    (``varlen``), or for a batch of len(lengths) rows of the first length (cu_seqlens and
+    N None)."""
+    if varlen:
+        return 1, sum(lengths), len(lengths), cu_seqlens_of(lengths, device)
+    return len(lengths), lengths[0], None, None
+
+
 def odd_length(gen: torch.Generator, low: int = 1, high: int = 200, chunk: int = 64) -> int:
     """A random sequence length that is not a multiple of ``chunk``."""
     return uneven_lengths(1, gen, low, high, chunk)[0]

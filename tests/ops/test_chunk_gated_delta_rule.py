@@ -8,7 +8,8 @@ import torch
 from fla.ops.delta_rule import chunk_delta_rule, naive_recurrent_delta_rule
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fla.utils.triton_facts import compiled_kernel_count
-from tests.helpers import assert_rel_close, cu_seqlens_of, generator, odd_length, uneven_lengths
+from tests.helpers import (assert_rel_close, cu_seqlens_of, generator, odd_length,
+                           packed_or_batch, uneven_lengths)
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, compare, make_inputs, run
 
 CASES = {
@@ -55,14 +56,9 @@ def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypa
     monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", lambda *args, **kw: (
         combines.append(recording() is None) or combine(*args, **kw)))
     gen = generator(seed)
-    lengths = uneven_lengths(2, gen, low=30, high=200)
-    if varlen:
-        inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=2, K=16, V=32, N=2)
-        compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen,
-                cu_seqlens=cu_seqlens_of(lengths, device))
-    else:
-        inputs = make_inputs(gen, B=2, T=lengths[0], H=1, HV=2, K=16, V=32)
-        compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen)
+    B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
+    inputs = make_inputs(gen, B=B, T=T, H=1, HV=2, K=16, V=32, N=N)
+    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu)
     assert sum(combines) == 1, combines
 
 

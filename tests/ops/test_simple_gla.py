@@ -24,6 +24,7 @@ from tests.helpers import (
     log_gate,
     odd_length,
     output_grad,
+    packed_or_batch,
     randn,
     reference_device,
     uneven_lengths,
@@ -240,14 +241,9 @@ def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypa
     monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
     monkeypatch.setattr(simple_gla_chunk, "chunk_gated_delta_rule_fwd_h", no_walk)
     gen = generator(seed)
-    lengths = uneven_lengths(2, gen, low=30, high=200)
-    if varlen:
-        inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=16, V=32, N=2)
-        compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen,
-                cu_seqlens=cu_seqlens_of(lengths, device))
-    else:
-        inputs = make_inputs(gen, B=2, T=lengths[0], H=2, HV=2, K=16, V=32)
-        compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen)
+    B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
+    inputs = make_inputs(gen, B=B, T=T, H=2, HV=2, K=16, V=32, N=N)
+    compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen, cu_seqlens=cu)
 
 
 @pytest.mark.interpret
