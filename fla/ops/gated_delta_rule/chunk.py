@@ -8,12 +8,14 @@ Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), two kernels:
 with A = strict_lower(diag(β) K Kᵀ ⊙ Γ). The WY factors W, U, the per-chunk states h and
 the new values Vn never reach memory in the forward.
 
-The backward keeps only q, k, v, γ, β, Ai, Aqk and the initial state. It recomputes the
-per-chunk states h and Vn, with the forward's own pass storing them instead of the output
-(``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ K S), no U formed) where the
-grid is full or the pass splits sequences, else with the staged pass over the WY factors
-W, U (``wy_fast``, ``chunk_delta_h``); then the reverse state pass and the gradient
-stages (``fla.ops.common``, ``wy_fast_bwd``).
+The backward keeps only q, k, v, γ, β, Ai, Aqk, the initial state and, where the forward
+split few long sequences into segments, the state entering each segment ([P, H, K, V]
+fp32). It recomputes the per-chunk states h and Vn, with the forward's own pass storing
+them instead of the output (``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ
+K S), no U formed; a split pass restarts every segment from its kept state, with no
+transitions or combine again) where the grid is full or the pass splits sequences, else
+with the staged pass over the WY factors W, U (``wy_fast``, ``chunk_delta_h``); then the
+reverse state pass and the gradient stages (``fla.ops.common``, ``wy_fast_bwd``).
 Storing h instead would cost [B, NT, H, K, V] per layer; Aqk, 64 values a token and head
 like Ai, lets the reverse pass form dV's in-chunk part scale·Aqkᵀ dO itself (no separate
 kernel, no round trip of it through memory).
