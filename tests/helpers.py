@@ -174,3 +174,24 @@ def l2_normalized(shape, gen: torch.Generator, dtype=torch.float32, device="cpu"
                   requires_grad: bool = False) -> torch.Tensor:
     x = F.normalize(torch.randn(shape, generator=gen, dtype=torch.float64), dim=-1)
     return x.to(dtype).to(device).requires_grad_(requires_grad)
+
+
+def counted_segment_combines(monkeypatch) -> list[bool]:
+    """Force the chunk passes to split sequences into one-chunk segments and count the
+    segment combines that launch (True each; compile ahead's recording of a first call
+    on a GPU launches nothing and appends False): the forward pass's and, where it split,
+    the reverse pass's."""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter
+    from fla.utils.compile_ahead import recording
+
+    combines: list[bool] = []
+    combine = chunk_fwd_inter.combine_segment_states
+
+    def counted(*args, **kwargs):
+        combines.append(recording() is None)
+        return combine(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
+    monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", counted)
+    monkeypatch.setattr(chunk_delta_h_bwd, "combine_segment_states", counted)
+    return combines

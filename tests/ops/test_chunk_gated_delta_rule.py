@@ -8,8 +8,8 @@ import torch
 from fla.ops.delta_rule import chunk_delta_rule, naive_recurrent_delta_rule
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fla.utils.triton_facts import compiled_kernel_count
-from tests.helpers import (assert_rel_close, cu_seqlens_of, generator, odd_length,
-                           packed_or_batch, uneven_lengths)
+from tests.helpers import (assert_rel_close, counted_segment_combines, cu_seqlens_of,
+                           generator, odd_length, packed_or_batch, uneven_lengths)
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, compare, make_inputs, run
 
 CASES = {
@@ -45,21 +45,16 @@ def test_chunk_varlen_uneven_sequences(dtype, device, seed):
 def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypatch):
     """The forward's state pass split into segments (what few long sequences get on a
     large GPU), forced at every chunk here: same outputs, states and gradients. The
-    backward restarts every segment from the forward's segment states: the transitions
-    and their combine run once, in the forward (not counting compile ahead's recording
-    of a first call on a GPU, which launches nothing)."""
-    from fla.ops.common import chunk_fwd_inter
-    from fla.utils.compile_ahead import recording
-    combines = []
-    combine = chunk_fwd_inter.combine_segment_states
-    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
-    monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", lambda *args, **kw: (
-        combines.append(recording() is None) or combine(*args, **kw)))
+    backward restarts every segment from the forward's segment states (the forward's
+    transitions are not redone) and splits its reverse pass the same way: two combines,
+    the forward's and the reverse pass's (not counting compile ahead's recording of a
+    first call on a GPU, which launches nothing)."""
+    combines = counted_segment_combines(monkeypatch)
     gen = generator(seed)
     B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
     inputs = make_inputs(gen, B=B, T=T, H=1, HV=2, K=16, V=32, N=N)
     compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu)
-    assert sum(combines) == 1, combines
+    assert sum(combines) == 2, combines
 
 
 @pytest.mark.interpret

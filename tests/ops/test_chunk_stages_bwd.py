@@ -30,6 +30,7 @@ from tests.helpers import (
     generator,
     l2_normalized,
     log_gate,
+    packed_or_batch,
     randn,
     rel_error,
     uneven_lengths,
@@ -267,6 +268,52 @@ def test_bwd_dhu(case, dtype, use_g, device, seed):
     assert_rel_close("dh", dh, ref_dh.reshape(B, NT, H, K, V), tol)
     assert_rel_close("dh0", dh0, ref_dh0, tol)
     assert_rel_close("dv2", dv2, ref_dv2, tol)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("use_w", [True, False], ids=["delta", "no-delta"])
+@pytest.mark.parametrize("use_g", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "batch"])
+def test_bwd_dhu_split_into_segments_equals_the_whole_walk(varlen, use_g, use_w, device,
+                                                            seed):
+    """The reverse pass cut into segments of 1 and 2 chunks (the segments' transitions,
+    the combine from dht, each segment from its leaving gradient) gives the whole walk's
+    dh, dh0 and dVn: with W (the augmented [M | X] transitions) and without (a scalar M),
+    with and without decay, packed and batched, from a final-state gradient."""
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=70, high=300)
+    B, T, N, cu = packed_or_batch(lengths, varlen)
+    offsets = None if cu is None else cu.tolist()
+    H, K, V = 2, 32, 16
+    q, k, w = (randn((B, T, H, K), gen) for _ in range(3))
+    do, dv = (randn((B, T, H, V), gen) for _ in range(2))
+    seqs, _ = chunk_layout(B, T, offsets)
+    gam = local_cumsum(log_gate((B, T, H), gen).to(F64), seqs).float() if use_g else None
+    N = N or B
+    h0, dht = (randn((N, H, K, V), gen, torch.float32) for _ in range(2))
+    args = [to_dev(x, device) for x in (q, k, w if use_w else None, gam, h0, dht, do, dv)]
+    whole = chunk_gated_delta_rule_bwd_dhu(*args, scale=0.5, cu_seqlens=to_dev(cu, device))
+    for chunks in (1, 2):
+        split = chunk_gated_delta_rule_bwd_dhu(*args, scale=0.5,
+                                               cu_seqlens=to_dev(cu, device),
+                                               segment_chunks=chunks, offsets=offsets)
+        for name, a, b in zip(("dh", "dh0", "dv2"), split, whole):
+            assert_rel_close(f"{name} ({chunks}-chunk segments)", a, b.double(), 1e-5)
+
+
+def test_bwd_dhu_split_refuses_what_it_cannot_address():
+    """A split reverse pass needs the host offsets of packed sequences and has no vector
+    gate form: both are refused before any launch."""
+    q = k = torch.zeros(1, 128, 1, 16)
+    do = torch.zeros(1, 128, 1, 16)
+    cu = torch.tensor([0, 64, 128])
+    with pytest.raises(ValueError, match="offsets"):
+        chunk_gated_delta_rule_bwd_dhu(q, k, None, None, None, None, do, do, cu_seqlens=cu,
+                                       segment_chunks=1)
+    with pytest.raises(ValueError, match="vector gate"):
+        chunk_gated_delta_rule_bwd_dhu(q, k, None, torch.zeros(1, 128, 1, 16), None, None,
+                                       do, None, Aqk=torch.zeros(1, 128, 1, 64),
+                                       segment_chunks=1)
 
 
 @pytest.mark.interpret

@@ -19,6 +19,7 @@ from tests.helpers import (
     TOLERANCE,
     assert_rel_close,
     assert_sum_close,
+    counted_segment_combines,
     cu_seqlens_of,
     generator,
     log_gate,
@@ -231,19 +232,21 @@ def test_backward_without_scores_above_k128_is_refused():
 def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypatch):
     """The split state pass (few long sequences on a large GPU), forced at every chunk.
     The backward recomputes the states segment by segment from the forward's segment
-    states, never by the sequential walk (which would fail here)."""
-    from fla.ops.common import chunk_fwd_inter
+    states, never by the sequential walk (which would fail here), and splits its reverse
+    pass the same way: two combines, the forward's and the reverse pass's (not counting
+    compile ahead's recording of a first call on a GPU, which launches nothing)."""
     from fla.ops.simple_gla import chunk as simple_gla_chunk
 
     def no_walk(*args, **kwargs):
         raise AssertionError("the backward walked the sequences despite the split")
 
-    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
+    combines = counted_segment_combines(monkeypatch)
     monkeypatch.setattr(simple_gla_chunk, "chunk_gated_delta_rule_fwd_h", no_walk)
     gen = generator(seed)
     B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
     inputs = make_inputs(gen, B=B, T=T, H=2, HV=2, K=16, V=32, N=N)
     compare(inputs, torch.float32, device, fn=chunk_simple_gla, gen=gen, cu_seqlens=cu)
+    assert sum(combines) == 2, combines
 
 
 @pytest.mark.interpret

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.common.chunk_fwd_inter import (combine_segment_states, segment_of_program,
+                                            segment_tables)
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
                                  tile_width)
@@ -145,7 +147,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt, GATED: tl.constexpr):
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
              "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "GATED_OPERANDS",
-             "FEW_PROGRAMS"],
+             "FEW_PROGRAMS", "SPLIT", "TRANSITION"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -157,28 +159,45 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
     GATED_OPERANDS: tl.constexpr = False, FEW_PROGRAMS: tl.constexpr = 0,
+    segments=None, seg_state=None, seg_decay=None, SPLIT: tl.constexpr = False,
+    TRANSITION: tl.constexpr = False,
 ):
-    """One program per (V tile, sequence·head) walks its sequence's chunks backwards.
+    """One program per (column tile, sequence·head) walks its sequence's chunks backwards.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
 
     dS[K, BV] is held in fp32 registers as up to four [BK, BV] tiles (BK = 64 or 128, a
     tuning choice): a K × BV block cannot be one tile for K up to 256 without spilling.
+
+    With ``SPLIT`` a program walks one segment (row i_p of ``segments [P, 3]``: sequence,
+    first chunk, end chunk; grid axis 1 is i_p·H + head), starting from the gradient
+    leaving it, ``seg_state [P, H, K, V]``. With ``TRANSITION`` too it stores nothing per
+    chunk: it runs the segment's affine map dS_in = M dS_out + X from dS_out = 0, on the
+    augmented ``[M | X]`` (K x (K + V), from ``[I | 0]``; dO and dv_local reach only the X
+    columns) with W, into ``seg_state [P, H, K, K + V]``; without W, M is e^{Σ γ_L} I:
+    X into ``seg_state [P, H, K, V]`` and Σ γ_L into ``seg_decay [P, H]``. (No vector
+    gate.) :func:`fla.ops.common.chunk_fwd_inter.combine_segment_states` then turns the
+    transitions into each segment's leaving gradient and dh0.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_p, i_h = i_nh // H, i_nh % H
+    i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
+                                                 IS_VARLEN)
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        NT = tl.cdiv(T, BT)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
-        bos = i_n.to(tl.int64) * T
-        NT = tl.cdiv(T, BT)
-        boh = i_n.to(tl.int64) * NT
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
     dt = k.dtype.element_ty
 
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    AUGMENTED: tl.constexpr = TRANSITION and USE_W
+    WC: tl.constexpr = K + V if AUGMENTED else V      # the state's columns
+    o_w = i_v * BV + tl.arange(0, BV)
+    m_w = o_w < WC
+    if AUGMENTED:
+        o_v = o_w - K              # value column of each state column (< 0: an M column)
+        m_v = m_w & (o_w >= K)
+    else:
+        o_v = o_w
+        m_v = m_w
     o_k1 = tl.arange(0, BK)
     o_k2 = BK + o_k1
     o_k3 = 2 * BK + o_k1
@@ -197,10 +216,23 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         b_dh4 = tl.zeros([BK, BV], dtype=tl.float32)
 
     state_base = i_nh.to(tl.int64) * K * V
+    if AUGMENTED:
+        # [I | 0]: ones where the state row equals the column.
+        b_dh1 += (o_k1[:, None] == o_w[None, :]).to(tl.float32)
+        if K > BK:
+            b_dh2 += (o_k2[:, None] == o_w[None, :]).to(tl.float32)
+        if K > 2 * BK:
+            b_dh3 += (o_k3[:, None] == o_w[None, :]).to(tl.float32)
+        if K > 3 * BK:
+            b_dh4 += (o_k4[:, None] == o_w[None, :]).to(tl.float32)
     # Pointer names are never reused across the chunk loop: a name assigned before a
     # `for` and inside it is loop-carried and must keep its type (dht is fp32, dh is not).
-    if USE_FINAL_STATE_GRADIENT:
-        p_dht = dht + state_base + o_v[None, :]
+    if (SPLIT and not TRANSITION) or (USE_FINAL_STATE_GRADIENT and not SPLIT):
+        if SPLIT:
+            # The segment's leaving gradient (seg_state's row i_p·H + i_h is i_nh).
+            p_dht = seg_state + state_base + o_v[None, :]
+        else:
+            p_dht = dht + state_base + o_v[None, :]
         b_dh1 += tl.load(p_dht + o_k1[:, None] * V, mask=m_k1[:, None] & m_v[None, :],
                          other=0.).to(tl.float32)
         if K > BK:
@@ -213,20 +245,22 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_dh4 += tl.load(p_dht + o_k4[:, None] * V, mask=m_k4[:, None] & m_v[None, :],
                              other=0.).to(tl.float32)
 
-    for i_t in range(NT - 1, -1, -1):
-        # dh[chunk] = ∂L/∂(state leaving the chunk), what chunk_bwd_dqkwg pairs with Vn.
-        p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_v[None, :]
-        tl.store(p_dh + o_k1[:, None] * V, b_dh1.to(dh.dtype.element_ty),
-                 mask=m_k1[:, None] & m_v[None, :])
-        if K > BK:
-            tl.store(p_dh + o_k2[:, None] * V, b_dh2.to(dh.dtype.element_ty),
-                     mask=m_k2[:, None] & m_v[None, :])
-        if K > 2 * BK:
-            tl.store(p_dh + o_k3[:, None] * V, b_dh3.to(dh.dtype.element_ty),
-                     mask=m_k3[:, None] & m_v[None, :])
-        if K > 3 * BK:
-            tl.store(p_dh + o_k4[:, None] * V, b_dh4.to(dh.dtype.element_ty),
-                     mask=m_k4[:, None] & m_v[None, :])
+    b_log_decay = tl.zeros([], dtype=tl.float32)   # Σ γ_L over a transition's chunks
+    for i_t in range(end - 1, first - 1, -1):
+        if not TRANSITION:
+            # dh[chunk] = ∂L/∂(state leaving the chunk), what chunk_bwd_dqkwg pairs with Vn.
+            p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_v[None, :]
+            tl.store(p_dh + o_k1[:, None] * V, b_dh1.to(dh.dtype.element_ty),
+                     mask=m_k1[:, None] & m_v[None, :])
+            if K > BK:
+                tl.store(p_dh + o_k2[:, None] * V, b_dh2.to(dh.dtype.element_ty),
+                         mask=m_k2[:, None] & m_v[None, :])
+            if K > 2 * BK:
+                tl.store(p_dh + o_k3[:, None] * V, b_dh3.to(dh.dtype.element_ty),
+                         mask=m_k3[:, None] & m_v[None, :])
+            if K > 3 * BK:
+                tl.store(p_dh + o_k4[:, None] * V, b_dh4.to(dh.dtype.element_ty),
+                         mask=m_k4[:, None] & m_v[None, :])
 
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
@@ -237,6 +271,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
             # Decay from each token to the chunk's end: exponent γ_L − γ_t ≤ 0, masked first.
             b_decay = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.)), 0.)
+            if TRANSITION:
+                b_log_decay += b_g_last
 
         # dVn = dv_local + (K ⊙ exp(γ_L − γ)) dS
         k_rows = rows[:, None] * (H * K) + i_h * K
@@ -305,7 +341,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             b_dv2 += scale * tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
         else:
             b_dv2 += tl.load(dv + v_off, mask=m_tv, other=0.).to(tl.float32)
-        tl.store(dv2 + v_off, b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
+        if not TRANSITION:
+            tl.store(dv2 + v_off, b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
 
         # dS ← exp(γ_L) dS + scale·(Q ⊙ exp(γ))ᵀ dO − Wᵀ dVn
         b_dv2c = b_dv2.to(dt)
@@ -390,7 +427,20 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
                 b_dh4 -= tl.dot(tl.trans(b_w.to(dt)), b_dv2c,
                                 input_precision=DOT_PRECISION)
 
-    if USE_INITIAL_STATE:
+    if TRANSITION:
+        # [M | X] (or X) of the segment; the decay of a scalar M once per segment.
+        p_mx = seg_state + i_nh.to(tl.int64) * K * WC + o_w[None, :]
+        tl.store(p_mx + o_k1[:, None] * WC, b_dh1, mask=m_k1[:, None] & m_w[None, :])
+        if K > BK:
+            tl.store(p_mx + o_k2[:, None] * WC, b_dh2, mask=m_k2[:, None] & m_w[None, :])
+        if K > 2 * BK:
+            tl.store(p_mx + o_k3[:, None] * WC, b_dh3, mask=m_k3[:, None] & m_w[None, :])
+        if K > 3 * BK:
+            tl.store(p_mx + o_k4[:, None] * WC, b_dh4, mask=m_k4[:, None] & m_w[None, :])
+        if not USE_W:
+            if i_v == 0:
+                tl.store(seg_decay + i_nh, b_log_decay)
+    elif USE_INITIAL_STATE and not SPLIT:
         p_dh0 = dh0 + state_base + o_v[None, :]
         tl.store(p_dh0 + o_k1[:, None] * V, b_dh1.to(dh0.dtype.element_ty),
                  mask=m_k1[:, None] & m_v[None, :])
@@ -422,6 +472,8 @@ def chunk_gated_delta_rule_bwd_dhu(
     gq: torch.Tensor | None = None,
     gq_exclusive: bool = False,
     gated_operands: bool = False,
+    segment_chunks: int = 0,
+    offsets: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -450,6 +502,12 @@ def chunk_gated_delta_rule_bwd_dhu(
         gated_operands: with a vector gate, q and k are the forward's gated operands
             Q ⊙ exp(γq) and K ⊙ exp(γ_L − γ) (``chunk_gk_fwd_A``'s qg and kg): the pass
             then reads only γ_L from g and runs no exponential over a tile.
+        segment_chunks: cut each sequence into segments of this many chunks (0: walk
+            whole sequences): the segments' affine maps (transitions, in parallel), their
+            serial combine from dht, then every segment walked from its leaving gradient,
+            in parallel; for few long sequences, whose whole walks leave the GPU idle. No
+            vector gate.
+        offsets: the host copy of ``cu_seqlens`` (needed with it for ``segment_chunks``).
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -486,18 +544,42 @@ def chunk_gated_delta_rule_bwd_dhu(
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if h0 is not None else None
     dv2 = torch.empty_like(do if dv is None else dv)
 
-    def grid(meta):
-        return (cdiv(V, meta["BV"]), N * H)
+    kernel = chunk_gated_delta_rule_bwd_dhu_kernel
+    common = dict(q=q, k=k, w=w, g=g, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,
+                  cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
+                  H=H, K=K, V=V, BT=BT, USE_G=g is not None and not vector_gate,
+                  USE_W=w is not None, LOCAL_FROM_AQK=Aqk is not None,
+                  IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
+    if not segment_chunks:
+        kernel[lambda meta: (cdiv(V, meta["BV"]), N * H)](
+            dht=dht, dh0=dh0, USE_INITIAL_STATE=dh0 is not None,
+            USE_FINAL_STATE_GRADIENT=dht is not None,
+            FEW_PROGRAMS=sequential_grid_fill(N, H, V), **common,
+            **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive,
+                    GATED_OPERANDS=gated_operands) if vector_gate else {}),
+        )
+        return dh, dh0, dv2
 
-    chunk_gated_delta_rule_bwd_dhu_kernel[grid](
-        q=q, k=k, w=w, g=g, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, Aqk=Aqk,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, K=K, V=V, BT=BT, USE_G=g is not None and not vector_gate,
-        USE_W=w is not None,
-        LOCAL_FROM_AQK=Aqk is not None, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-        FEW_PROGRAMS=sequential_grid_fill(N, H, V),
-        **(dict(gq=gq, USE_GK=True, GQ_EXCLUSIVE=gq_exclusive,
-                GATED_OPERANDS=gated_operands) if vector_gate else {}),
-    )
+    if vector_gate:
+        raise ValueError("segment_chunks: the reverse pass splits only without a vector gate")
+    if cu_seqlens is not None and offsets is None:
+        raise ValueError("segment_chunks with cu_seqlens needs its host copy, offsets")
+    if offsets is None:
+        offsets = list(range(0, B * T + 1, T))
+    segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device, reverse=True)
+    P = segments.shape[0]
+    width = K + V if w is not None else V
+    mx = torch.empty(P, H, K, width, dtype=torch.float32, device=k.device)
+    seg_decay = None if w is not None else torch.empty(P, H, dtype=torch.float32,
+                                                       device=k.device)
+    split = dict(segments=segments, SPLIT=True, FEW_PROGRAMS=0, USE_INITIAL_STATE=False,
+                 USE_FINAL_STATE_GRADIENT=False, dht=None, dh0=None)
+    kernel[lambda meta: (cdiv(width, meta["BV"]), P * H)](
+        seg_state=mx, seg_decay=seg_decay, TRANSITION=True, **split, **common)
+    # Segments listed last to first: the combine's "entering" state of each is the
+    # gradient leaving it, and its final state the gradient of the initial state.
+    leaving = combine_segment_states(mx, seg_decay, "delta" if w is not None else "scalar",
+                                     seg_offsets, V, dht, dh0)
+    kernel[lambda meta: (cdiv(V, meta["BV"]), P * H)](
+        seg_state=leaving, TRANSITION=False, **split, **common)
     return dh, dh0, dv2

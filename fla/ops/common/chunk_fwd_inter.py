@@ -679,18 +679,22 @@ def _pass_tiles(K: int, V: int, delta: bool, form_scores: bool) -> tuple[int, in
     return cdiv(V, bv), cdiv(transition_width(K, V, delta), bw)
 
 
-def segment_tables(offsets: list[int], chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_tables(offsets: list[int], chunks: int, device,
+                   reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``segments [P, 3]`` int32 rows (sequence, first chunk, end chunk) cutting each
     sequence of the token offsets into pieces of ``chunks`` chunks, and ``seg_offsets
-    [N + 1]`` int32, the first segment of each sequence. Cached per (offsets, size)."""
-    key = (tuple(offsets), chunks, str(device))
+    [N + 1]`` int32, the first segment of each sequence. ``reverse``: each sequence's
+    segments listed last to first (the order a reverse pass meets them, so that the
+    combine walks them as it walks a forward pass's). Cached per (offsets, size, order)."""
+    key = (tuple(offsets), chunks, str(device), reverse)
     cached = _segment_tables.get(key)
     if cached is not None:
         return cached
     rows, starts = [], [0]
     for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
         total = -(-(eos - bos) // CHUNK)
-        rows += [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
+        pieces = [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
+        rows += pieces[::-1] if reverse else pieces
         starts.append(len(rows))
     tables = (torch.tensor(rows, dtype=torch.int32).to(device),
               torch.tensor(starts, dtype=torch.int32).to(device))

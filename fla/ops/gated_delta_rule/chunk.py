@@ -63,6 +63,12 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     return o, g_cum, Ai, final_state, Aqk, segment_states
 
 
+def _forward_segment_chunks(k, v, offsets) -> int:
+    """The segment length the forward pass's launcher picks (0: it does not split)."""
+    B, T, H, K = k.shape
+    return default_segment_chunks(offsets, B, T, H, K, v.shape[-1], True, False)
+
+
 def _states_from_the_forward_pass(k, v, offsets) -> bool:
     """Whether the backward recomputes h and Vn with the forward's own pass (storing them
     instead of the output) rather than the staged pass over W and U. The forward's pass
@@ -74,8 +80,7 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = B if offsets is None else len(offsets) - 1
-    return (sequential_grid_fill(n, H, V) == 0
-            or default_segment_chunks(offsets, B, T, H, K, V, True, False) > 0)
+    return sequential_grid_fill(n, H, V) == 0 or _forward_segment_chunks(k, v, offsets) > 0
 
 
 def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, initial_state, cu_seqlens,
@@ -96,9 +101,11 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, initial_state, cu_se
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                    chunk_size=CHUNK_SIZE, **varlen)
         del u
-    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, w, g_cum, initial_state, dht, do,
-                                                 None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
-                                                 **varlen)
+    # Where the forward split few long sequences, so does the reverse pass (same segments).
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+        q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
+        segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
+        offsets=offsets, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.

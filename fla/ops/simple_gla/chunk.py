@@ -138,9 +138,11 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
         h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, save_new_value=False,
                                                **varlen)
-    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q, k, None, g_cum, initial_state, dht, do,
-                                                 None, scale, chunk_size=CHUNK_SIZE,
-                                                 Aqk=Aqk, **varlen)
+    # Where the forward split few long sequences, so does the reverse pass (same segments).
+    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+        q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
+        Aqk=Aqk, segment_chunks=0 if segment_states is None else _segment_chunks(k, v, offsets),
+        offsets=offsets, **varlen)
     dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
                                     chunk_size=CHUNK_SIZE, **varlen)
     if dg is not None:
