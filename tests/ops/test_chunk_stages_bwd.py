@@ -301,18 +301,20 @@ def test_bwd_dhu_split_into_segments_equals_the_whole_walk(varlen, use_g, use_w,
             assert_rel_close(f"{name} ({chunks}-chunk segments)", a, b.double(), 1e-5)
 
 
-def test_bwd_dhu_split_refuses_what_it_cannot_address():
+@pytest.mark.interpret
+def test_bwd_dhu_split_refuses_what_it_cannot_address(device):
     """A split reverse pass needs the host offsets of packed sequences and has no vector
-    gate form: both are refused before any launch."""
-    q = k = torch.zeros(1, 128, 1, 16)
-    do = torch.zeros(1, 128, 1, 16)
-    cu = torch.tensor([0, 64, 128])
+    gate form: both are refused before any launch. (On the kernel's device: a CPU tensor
+    without the interpreter is refused first, for that.)"""
+    q = k = do = torch.zeros(1, 128, 1, 16, device=device)
+    cu = torch.tensor([0, 64, 128], device=device)
     with pytest.raises(ValueError, match="offsets"):
         chunk_gated_delta_rule_bwd_dhu(q, k, None, None, None, None, do, do, cu_seqlens=cu,
                                        segment_chunks=1)
     with pytest.raises(ValueError, match="vector gate"):
-        chunk_gated_delta_rule_bwd_dhu(q, k, None, torch.zeros(1, 128, 1, 16), None, None,
-                                       do, None, Aqk=torch.zeros(1, 128, 1, 64),
+        chunk_gated_delta_rule_bwd_dhu(q, k, None, torch.zeros(1, 128, 1, 16, device=device),
+                                       None, None, do, None,
+                                       Aqk=torch.zeros(1, 128, 1, 64, device=device),
                                        segment_chunks=1)
 
 
