@@ -24,6 +24,13 @@ state row and the query side may read its own cumulative gate γq (RWKV6: exclus
 ``dv_local`` = scale·(Q Kᵀ ⊙ Γ)ᵀ dO is :func:`fla.ops.common.chunk_o_bwd.chunk_bwd_dv_local`'s
 output, or formed in the pass from the forward's saved scores ``Aqk``. The gradient
 of ``initial_state`` is dS after the first chunk of each sequence.
+
+Few long sequences leave most of the GPU idle walking them whole. The step above is
+affine in dS, dS_in = M dS_out + X (M = e^{γ_L} I − Wᵀ (K ⊙ e^{γ_L − γ}), X the dO and
+dv_local terms), so the pass can cut them into segments (``segment_chunks``): each
+segment's composed map in parallel, a serial combine of the maps per sequence from dht
+(:func:`fla.ops.common.chunk_fwd_inter.combine_segment_states`, giving dh0 too), then
+every segment walked from the gradient leaving it, in parallel.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ them instead of the output (``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(
 K S), no U formed; a split pass restarts every segment from its kept state, with no
 transitions or combine again) where the grid is full or the pass splits sequences, else
 with the staged pass over the WY factors W, U (``wy_fast``, ``chunk_delta_h``); then the
-reverse state pass and the gradient stages (``fla.ops.common``, ``wy_fast_bwd``).
+reverse state pass (split into the same segments where the forward split) and the
+gradient stages (``fla.ops.common``, ``wy_fast_bwd``).
 Storing h instead would cost [B, NT, H, K, V] per layer; Aqk, 64 values a token and head
 like Ai, lets the reverse pass form dV's in-chunk part scale·Aqkᵀ dO itself (no separate
 kernel, no round trip of it through memory).

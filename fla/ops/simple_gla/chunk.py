@@ -11,8 +11,8 @@ out (64 values a token and head) only when a backward will follow. Its backward 
 staged gradient of the gated delta rule with W = 0: the states h are recomputed
 (``chunk_delta_h`` without W; where the forward split few long sequences into segments,
 segment by segment from the states entering them, which the forward keeps), then the
-reverse state pass (``chunk_delta_h_bwd`` without W, dV's in-chunk part scale·Aqkᵀ dO
-from the stored scores) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the
+reverse state pass (``chunk_delta_h_bwd`` without W, split into the same segments; dV's
+in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the
 reverse chunk-local cumsum of ∂L/∂γ.
 Above K = 128 the scores come from ``chunk_fwd_intra`` instead, and a forward that feeds
 no backward runs in two stages: the state entering each chunk (``chunk_delta_h``), then
