@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_fwd_inter import (combine_segment_states, segment_of_program,
-                                            segment_tables)
+from fla.ops.common.chunk_fwd_inter import (combine_segment_states, first_chunk_row,
+                                            segment_of_program, segment_tables,
+                                            state_columns)
 from fla.ops.utils.index import prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
                                  tile_width)
@@ -189,22 +190,12 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     i_p, i_h = i_nh // H, i_nh % H
     i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
                                                  IS_VARLEN)
-    if IS_VARLEN:
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    boh = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
     dt = k.dtype.element_ty
 
     AUGMENTED: tl.constexpr = TRANSITION and USE_W
     WC: tl.constexpr = K + V if AUGMENTED else V      # the state's columns
-    o_w = i_v * BV + tl.arange(0, BV)
-    m_w = o_w < WC
-    if AUGMENTED:
-        o_v = o_w - K              # value column of each state column (< 0: an M column)
-        m_v = m_w & (o_w >= K)
-    else:
-        o_v = o_w
-        m_v = m_w
+    o_w, m_w, o_v, m_v = state_columns(i_v, BV, K, V, AUGMENTED)
     o_k1 = tl.arange(0, BK)
     o_k2 = BK + o_k1
     o_k3 = 2 * BK + o_k1

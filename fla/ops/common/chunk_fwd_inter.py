@@ -204,6 +204,36 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
     return i_n, bos, T, first, end
 
 
+@triton.jit
+def state_columns(i_w, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  AUGMENTED: tl.constexpr):
+    """``(o_w, m_w, o_v, m_v)`` of column tile ``i_w`` of a state with V columns, or with
+    ``AUGMENTED`` K + V (``[M | X]``: the first K columns M's, the rest X's): the state
+    columns and their mask, and the value column each one reads (o_w − K when augmented;
+    M's columns masked out of m_v)."""
+    o_w = i_w * BV + tl.arange(0, BV)
+    if AUGMENTED:
+        m_w = o_w < K + V
+        o_v = o_w - K              # (< 0: an M column)
+        m_v = m_w & (o_w >= K)
+    else:
+        m_w = o_w < V
+        o_v = o_w
+        m_v = m_w
+    return o_w, m_w, o_v, m_v
+
+
+@triton.jit
+def first_chunk_row(i_n, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Row of sequence n's first chunk in a per-chunk state tensor ``[B, NT, ...]`` (or
+    ``[1, NT_total, ...]`` from ``chunk_offsets`` with packed sequences), int64."""
+    if IS_VARLEN:
+        row = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        row = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return row
+
+
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
             "FEW_PROGRAMS", "STATES_ONLY"],
        default=_default, space=_space)
@@ -247,22 +277,11 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
                                                  IS_VARLEN)
     if STATES_ONLY:
-        # Index of the sequence's first chunk in h.
-        if IS_VARLEN:
-            boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-        else:
-            boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+        boh = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)   # the sequence's h rows
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    o_w = i_w * BV + tl.arange(0, BV)
-    m_w = o_w < W
-    if AUGMENTED:
-        o_v = o_w - K              # value column of each state column (< 0: an M column)
-        m_v = m_w & (o_w >= K)
-    else:
-        o_v = o_w
-        m_v = m_w
+    o_w, m_w, o_v, m_v = state_columns(i_w, BV, K, V, AUGMENTED)
     # The state's j-th row tile is rows j·BK .. j·BK + BK of the K x W matrix.
     o_s = o_k[:, None] * W + o_w[None, :]
     m_s1 = (o_k < K)[:, None] & m_w[None, :]
