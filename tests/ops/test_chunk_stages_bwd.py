@@ -501,9 +501,11 @@ def test_wy_repr_bwd_adds_into_given_buffers(device, seed):
 # ---------------------------------------------------------------------------------------
 # End to end: the four stages compose into the gradient of the recurrence
 # ---------------------------------------------------------------------------------------
-def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device):
+def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
+                     segment_chunks=0):
     """Float64 forward of the stages this file does not own, then the four backward
-    kernels in the inputs' dtype; returns (dq, dk, dv, dg, dbeta, dh0) and o."""
+    kernels in the inputs' dtype (the reverse pass split into segments of
+    ``segment_chunks`` chunks when nonzero); returns (dq, dk, dv, dg, dbeta, dh0) and o."""
     dtype = q.dtype
     B, T, H, K = k.shape
     q64, k64, v64, b64 = (rounded64(x) for x in (q, k, v, beta))
@@ -532,7 +534,8 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device)
                                   **varlen)
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
-        scale=scale, **varlen)
+        scale=scale, segment_chunks=segment_chunks,
+        offsets=None if cu is None else cu.tolist(), **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
         scale=scale, **varlen)
@@ -572,10 +575,11 @@ def end_to_end_problem(B, T, H, K, V, offsets, dtype, seed, device):
     return inputs, seqs, NT, o_ref.detach(), ref
 
 
-def check_end_to_end(B, T, H, K, V, cu, offsets, dtype, device, seed, tol):
+def check_end_to_end(B, T, H, K, V, cu, offsets, dtype, device, seed, tol,
+                     segment_chunks=0):
     inputs, seqs, NT, o_ref, ref = end_to_end_problem(B, T, H, K, V, offsets, dtype, seed,
                                                       device)
-    grads, o_chunk = chunked_backward(*inputs, cu, seqs, NT, device)
+    grads, o_chunk = chunked_backward(*inputs, cu, seqs, NT, device, segment_chunks)
     # The float64 chunk forward used above is itself checked against the loop.
     assert_rel_close("o (chunked float64 forward)", o_chunk, o_ref, 1e-6)
     for name, out in zip(GRAD_NAMES, grads):
@@ -595,12 +599,15 @@ def test_end_to_end_matches_recurrence(shape, dtype, device, seed):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_end_to_end_varlen_matches_recurrence(dtype, device, seed):
+@pytest.mark.parametrize("segment_chunks", [0, 1], ids=["whole", "split"])
+def test_end_to_end_varlen_matches_recurrence(segment_chunks, dtype, device, seed):
+    """Packed uneven sequences; ``split``: the reverse pass in one-chunk segments."""
     gen = generator(seed ^ 0x5EED)
     lengths = uneven_lengths(3, gen, low=1, high=150)
     cu = cu_seqlens_of(lengths)
     T = int(cu[-1])
-    check_end_to_end(1, T, 2, 16, 32, cu, cu.tolist(), dtype, device, seed, TOLERANCE[dtype])
+    check_end_to_end(1, T, 2, 16, 32, cu, cu.tolist(), dtype, device, seed, TOLERANCE[dtype],
+                     segment_chunks)
 
 
 @pytest.mark.interpret
@@ -635,10 +642,13 @@ def test_end_to_end_bf16_varlen_gpu(D, device, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [128, 256])
-def test_every_tuning_config_gpu(D, device, seed, monkeypatch, tmp_path):
+@pytest.mark.parametrize("D, split", [(128, False), (256, False), (128, True)],
+                         ids=["128", "256", "128-split"])
+def test_every_tuning_config_gpu(D, split, device, seed, monkeypatch, tmp_path):
     """Each config of each stage's tuning space compiles on this GPU/Triton and gives the
-    loop's gradients (bf16, varlen): a config the space offers must never be wrong."""
+    loop's gradients (bf16, varlen): a config the space offers must never be wrong. With
+    ``split`` the reverse pass runs in one-chunk segments (its transition and split
+    variants take each config)."""
     monkeypatch.setenv("FLA_CACHE_DIR", str(tmp_path))   # no tuned config from disk
     monkeypatch.delenv("FLA_TUNE", raising=False)
     gen = generator(seed ^ 0xC0F)
@@ -647,14 +657,16 @@ def test_every_tuning_config_gpu(D, device, seed, monkeypatch, tmp_path):
     inputs, seqs, NT, _, ref = end_to_end_problem(1, offsets[-1], 2, D, D, offsets,
                                                   torch.bfloat16, seed, device)
     failures = []
-    for module, name in STAGE_KERNELS:
+    # Split, only the reverse pass has new variants.
+    for module, name in [STAGE_KERNELS[1]] if split else STAGE_KERNELS:
         original = getattr(module, name)
         for config in original.space({"K": D, "V": D}):
             forced = TunedKernel(original.kernel, key=original.key,
                                  default=lambda args, c=config: c, name=f"sweep.{name}")
             monkeypatch.setattr(module, name, forced)
             try:
-                grads, _ = chunked_backward(*inputs, cu, seqs, NT, device)
+                grads, _ = chunked_backward(*inputs, cu, seqs, NT, device,
+                                            segment_chunks=1 if split else 0)
                 errors = {n: rel_error(out, ref[n]) for n, out in zip(GRAD_NAMES, grads)}
                 bad = {n: e for n, e in errors.items() if not e <= TOLERANCE[torch.bfloat16]}
                 if bad:
