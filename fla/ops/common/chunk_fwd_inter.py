@@ -50,7 +50,7 @@ import triton.language as tl
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
-from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
+from fla.ops.utils.tiles import check_buffer, sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -765,15 +765,6 @@ def state_buffers(k: torch.Tensor, v: torch.Tensor, offsets: list[int] | None,
     return h, torch.empty_like(v) if delta else None
 
 
-def _check_out_buffer(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
-    """An output buffer the caller passes must be contiguous, of ``shape``, in ``like``'s
-    dtype and on its device: the kernels write it with ``like``'s strides in mind."""
-    if (tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or not t.is_contiguous()
-            or t.device != like.device):
-        raise ValueError(f"{name} must be a contiguous {list(shape)} {like.dtype} tensor on "
-                         f"{like.device}, got {list(t.shape)} {t.dtype} on {t.device}")
-
-
 def chunk_gated_delta_rule_fwd_inter(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -853,16 +844,17 @@ def chunk_gated_delta_rule_fwd_inter(
     states = {}
     if states_out is not None:
         h, v_new = states_out
-        _check_out_buffer("states_out: h", h, _states_shape(k, V, offsets, varlen), k)
+        check_buffer("states_out: h", h, _states_shape(k, V, offsets, varlen), k.dtype,
+                     k.device)
         if v_new is not None:
-            _check_out_buffer("states_out: v_new", v_new, tuple(v.shape), k)
+            check_buffer("states_out: v_new", v_new, v.shape, k.dtype, k.device)
         states = dict(h=h, v_new=v_new, STATES_ONLY=True, chunk_offsets=(
             varlen_chunk_offsets(cu_seqlens, CHUNK, offsets) if varlen else None))
     final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                    if output_final_state else None)
     form_scores = Aqk is None and states_out is None
     if scores_out is not None:
-        _check_out_buffer("scores_out", scores_out, (B, T, H, CHUNK), k)
+        check_buffer("scores_out", scores_out, (B, T, H, CHUNK), k.dtype, k.device)
         Aqk = scores_out
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
@@ -891,7 +883,9 @@ def chunk_gated_delta_rule_fwd_inter(
     segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
     if segment_states is not None:
-        _check_segment_states(segment_states, (P, H, K, V), k.device)
+        # Read by row offsets from the segment table: another split's states would start
+        # segments from the wrong state.
+        check_buffer("segment_states", segment_states, (P, H, K, V), torch.float32, k.device)
         seg_h0 = segment_states
     else:
         delta = Ai is not None
@@ -917,13 +911,3 @@ def split_states(segment_states: torch.Tensor | None) -> torch.Tensor | None:
     """A step's ``segment_states`` output as its backward takes it: None where the pass did
     not split (a custom op returns an empty placeholder for None, eager code None)."""
     return None if segment_states is None or segment_states.numel() == 0 else segment_states
-
-
-def _check_segment_states(x: torch.Tensor, shape: tuple, device) -> None:
-    # Read by row offsets from the segment table: another split's states would start
-    # segments from the wrong state, silently.
-    if tuple(x.shape) != shape or x.dtype != torch.float32 or x.device != device \
-            or not x.is_contiguous():
-        raise ValueError(f"segment_states: expected a contiguous float32 {list(shape)} tensor "
-                         f"on {device} (the split's segments), got {x.dtype} "
-                         f"{list(x.shape)} on {x.device}")

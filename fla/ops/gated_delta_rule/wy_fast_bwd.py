@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
-from fla.ops.utils.tiles import check_kernel_device, sixteen_bit, tile_width
+from fla.ops.utils.tiles import check_buffer, check_kernel_device, sixteen_bit, tile_width
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -221,9 +221,9 @@ def prepare_wy_repr_bwd(
             accumulate and g is not None and dg_acc is None:
         raise ValueError("dk_acc and dg_acc come together (dg_acc only with g)")
     if accumulate:
-        _check_accumulator("dk_acc", dk_acc, k.shape, k.dtype, k.device)
+        check_buffer("dk_acc", dk_acc, k.shape, k.dtype, k.device)
         if g is not None:
-            _check_accumulator("dg_acc", dg_acc, (B, T, H), torch.float32, k.device)
+            check_buffer("dg_acc", dg_acc, (B, T, H), torch.float32, k.device)
     dk = dk_acc if accumulate else torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
@@ -239,13 +239,3 @@ def prepare_wy_repr_bwd(
         DOT_PRECISION=dot_precision(k.dtype), ACCUMULATE=accumulate,
     )
     return dk, dv, dbeta, dg
-
-
-def _check_accumulator(name, x, shape, dtype, device) -> None:
-    # Written in place by row offsets computed from ``shape``: anything else would put
-    # the sum in the wrong place (or outside the tensor).
-    if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != device \
-            or not x.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape "
-                         f"{tuple(shape)} on {device}, got {x.dtype} {tuple(x.shape)} on "
-                         f"{x.device}{'' if x.is_contiguous() else ' (not contiguous)'}")

@@ -32,6 +32,18 @@ def state_row_heights(K: int) -> tuple[int, ...]:
     return tuple(sorted({tile_width(K, 64), tile_width(K, 128)}))
 
 
+def check_buffer(name: str, t: torch.Tensor, shape, dtype: torch.dtype, device) -> None:
+    """A tensor a caller hands a stage to read or write in place (an output buffer, an
+    accumulator, saved states) must be contiguous, of ``shape``, ``dtype`` and on
+    ``device``: the kernels address it by offsets computed from ``shape``, so anything
+    else would put values in the wrong place, silently."""
+    if (tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device)
+            or not t.is_contiguous()):
+        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape "
+                         f"{list(shape)} on {device}, got {t.dtype} {list(t.shape)} on "
+                         f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
 def check_kernel_device(*tensors: torch.Tensor | None) -> None:
     """Stages that exist only as Triton kernels (the backward ones: the PyTorch path
     differentiates its forward instead) need CUDA tensors, or the interpreter."""
