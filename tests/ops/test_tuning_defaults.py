@@ -136,13 +136,14 @@ ROW_TILE_MS = {
     "inter states": {  # the backward's states pass (STATES_ONLY)
         "4x4096x64x128": {64: 0.608, 128: 0.622},
     },
-    "gk out": {  # GLA / RWKV6's output pass on the gated operands
-        "1x8192x96x128": {64: 0.416, 128: 0.401},
-        "8x2048x32x256": {64: 1.203, 128: 1.115},
-        "4x2048x16x128": {64: 0.088, 128: 0.074},
+    # GLA / RWKV6's output pass on the gated operands and their backward's h pass, the
+    # state held transposed (GK_PASS_MS below, the rest of each default held).
+    "gk out": {
+        "8x2048x32x256": {64: 0.684, 128: 0.698},
+        "4x2048x16x128": {64: 0.088, 128: 0.077},
     },
-    "gk h": {  # their backward's h pass (three stages)
-        "1x8192x96x128": {64: 0.362, 128: 0.325},
+    "gk h": {
+        "1x8192x96x128": {64: 0.380, 128: 0.331},
     },
     "dhu GK": {  # their reverse pass
         "1x8192x96x128": {64: 0.561, 128: 0.521},
@@ -271,6 +272,67 @@ def test_state_row_tiles_follow_the_measured_best(kernel):
         picked = times[config.meta["BK"]]
         assert picked <= 1.05 * min(times.values()), (kernel, shape, config, times)
         assert config in space, (kernel, shape, config)
+
+
+# GLA / RWKV6's state pass (chunk_gk_fwd_h) holding the state transposed, on the gated
+# operands: the forward's output pass ("out") and the backward's h pass ("h"), by (BK,
+# BV, warps, stages) (H100, Triton 3.6, bf16, 2026-11-27, each config of the space forced
+# in turn; the fastest few and the defaults; 4x4096x16x128 is RWKV6's). Holding S [BK, BV]
+# the output pass took 1.122 ms at 8x2048x32x256.
+GK_PASS_MS = {
+    "out": {
+        "8x2048x32x256": {(128, 128, 8, 2): 0.698, (64, 128, 8, 2): 0.684,
+                          (64, 32, 4, 2): 0.894, (128, 64, 8, 2): 0.970},
+        "4x2048x16x128": {(128, 64, 8, 3): 0.0772, (128, 64, 4, 3): 0.0833,
+                          (64, 32, 4, 2): 0.0880},
+        "4x4096x16x128": {(128, 64, 8, 3): 0.1393, (128, 64, 4, 3): 0.1514,
+                          (64, 64, 8, 3): 0.1611},
+    },
+    "h": {
+        "8x2048x32x256": {(128, 64, 8, 2): 0.690, (128, 64, 4, 2): 0.704,
+                          (128, 128, 8, 2): 0.853, (64, 64, 8, 2): 0.763},
+        "4x2048x16x128": {(128, 32, 8, 2): 0.0707, (64, 32, 8, 3): 0.0713,
+                          (128, 64, 4, 3): 0.0749},
+        "4x4096x16x128": {(64, 32, 8, 3): 0.1317, (128, 32, 8, 2): 0.1335,
+                          (128, 64, 4, 3): 0.1413},
+        "1x8192x96x128": {(128, 64, 4, 3): 0.3312, (128, 32, 4, 2): 0.3618,
+                          (128, 64, 8, 3): 0.3735},
+    },
+}
+
+
+@pytest.mark.parametrize("mode", list(GK_PASS_MS))
+def test_transposed_state_pass_defaults_follow_the_measured_best(mode, monkeypatch):
+    """Where this Triton builds the output pass at 8 warps (3.6 on): each default within
+    5% of the fastest measured and in its space."""
+    from fla.ops.common import chunk_gk_fwd
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", True)
+    for shape, times in GK_PASS_MS[mode].items():
+        D, few = _dims(shape)
+        args = dict(K=D, V=D, k=BF16, GATED_OPERANDS=True, STORE_O=mode == "out",
+                    STORE_H=mode == "h", FEW_PROGRAMS=few)
+        config = chunk_gk_fwd._h_default(args)
+        entry = (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
+        _follows_the_best((mode, shape), times, config, chunk_gk_fwd._h_space(args), entry)
+
+
+def test_transposed_output_pass_without_8_warps(monkeypatch):
+    """Where this Triton cannot build the output pass at 8 warps (3.3): 32 columns at 4
+    warps above K = 128, and every default in its space."""
+    from fla.ops.common import chunk_gk_fwd
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", False)
+    for D in (64, 128, 256):
+        for few in (0, 1, 2):
+            for k in (BF16, FP32):
+                args = dict(K=D, V=D, k=k, GATED_OPERANDS=True, STORE_O=True, STORE_H=False,
+                            FEW_PROGRAMS=few)
+                config = chunk_gk_fwd._h_default(args)
+                assert config.num_warps == 4 and config in chunk_gk_fwd._h_space(args)
+    args = dict(K=256, V=256, k=BF16, GATED_OPERANDS=True, STORE_O=True, STORE_H=False,
+                FEW_PROGRAMS=0)
+    assert chunk_gk_fwd._h_default(args).meta["BV"] == 32
 
 
 @pytest.mark.parametrize("kernel", list(STAGE_MS))

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common import chunk_fwd_inter
-from fla.ops.common.chunk_fwd_inter import segment_of_program
+from fla.ops.common.chunk_fwd_inter import first_chunk_row, segment_of_program
 from fla.ops.utils.index import locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
@@ -548,29 +548,42 @@ def _gk_strips_form(gc_b, L, HK, K: tl.constexpr, BK: tl.constexpr, EXCLUSIVE: t
 
 def _h_default(args) -> Config:
     if args["GATED_OPERANDS"]:
-        # No exponential and no fp32 γ tile in the loop: the state pass of simple GLA,
-        # which runs two programs an SM at 4 warps. Up to K = 128 on a thin grid
-        # (FEW_PROGRAMS from the launcher, fla.utils.grid.grid_fill), as the gated delta
-        # rule's pass: a third stage, and 32-column tiles where even those leave each SM
-        # one program (that pass: 2x16384x16x128 0.22 ms against 0.41). This pass there,
-        # H100 2026-11-26: 0.444 ms against 0.576.
-        # Above K = 128, 64-column tiles in one stage (GLA 8x2048x32x256, H100, the space
-        # timed: the output pass 1.21 ms against 1.49 for BV = 32 in two stages, the
-        # backward's h pass 0.97 against 1.08).
-        # The state in 128-row tiles (H100, Triton 3.6, bf16, 2026-11-27, BK = 64 -> 128,
-        # ms): the output pass GLA 1x8192x96x128 0.412 -> 0.395, 8x2048x32x256 1.204 ->
-        # 1.112, 4x2048x16x128 0.088 -> 0.074, RWKV6 4x4096x16x128 0.168 -> 0.141; the
-        # backward's h pass (GLA) 0.409 -> 0.383 and 0.958 -> 0.791. That h pass (no
-        # output) takes a third stage up to K = 128: 0.325 ms against 0.395 at two (GLA
-        # 1x8192x96x128, its space timed; the best, 32 columns at 8 warps, 0.315).
+        # No exponential and no fp32 γ tile in the loop. 128-row tiles (H100, Triton
+        # 3.6, bf16, 2026-11-27, BK = 64 -> 128 with S held [BK, BV]: the output pass GLA
+        # 1x8192x96x128 0.412 -> 0.395 ms, 8x2048x32x256 1.204 -> 1.112, RWKV6
+        # 4x4096x16x128 0.168 -> 0.141). Thin grids (FEW_PROGRAMS from the launcher,
+        # fla.utils.grid.grid_fill): a third stage, and 32 columns where even those leave
+        # each SM one program (the gated delta rule's pass at 2x16384x16x128: 0.22 ms
+        # against 0.41).
+        # The transposed state (2026-11-27, H100, Triton 3.6, bf16, each config of the
+        # new space forced in turn, ms): above K = 128 (GLA 8x2048x32x256) the output
+        # pass at 128 columns, 8 warps, two stages, 0.698 (the pass holding S [BK, BV]
+        # took 1.122 at its best; here 64 rows 0.684, 4 warps at 32 columns 0.894, the
+        # rule where this Triton cannot build 8 warps), the h pass at 64 columns, 8
+        # warps, 0.690 (128 columns 0.853; S [BK, BV] 0.79). Up to K = 128 on a full grid
+        # (1x8192x96x128) the output pass 0.393 and the h pass 0.331 at 64 columns, 4
+        # warps, as S [BK, BV] did (0.395, 0.325). On a thin grid (FEW_PROGRAMS) 8 warps
+        # at three stages: GLA 4x2048x16x128 0.077 against 0.083 at 4, RWKV6
+        # 4x4096x16x128 0.139 against 0.151; the h pass there at 32 columns, 8 warps, two
+        # stages, 0.071 against 0.075 and 0.134 against 0.141.
         bk = tile_width(args["K"], 128)
+        wide = 8 <= _h_max_warps(args) and sixteen_bit(args)
+        states_only = args.get("STORE_H") and not args.get("STORE_O", True)
         if args["K"] > 128:
-            return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=1)
+            if states_only:
+                # (fp32 tiles: one stage, as the S [BK, BV] pass took for shared memory)
+                return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=8,
+                              num_stages=2 if sixteen_bit(args) else 1)
+            if wide:
+                return Config(BV=tile_width(args["V"], 128), BK=bk, num_warps=8, num_stages=2)
+            return Config(BV=tile_width(args["V"], 32), BK=bk, num_warps=4, num_stages=2)
         few = args.get("FEW_PROGRAMS", 0) if sixteen_bit(args) else 0
-        states_only = (args.get("STORE_H") and not args.get("STORE_O", True)
-                       and sixteen_bit(args))
-        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), BK=bk, num_warps=4,
-                      num_stages=3 if few or states_only else 2)
+        if states_only and sixteen_bit(args):
+            if few:
+                return Config(BV=tile_width(args["V"], 32), BK=bk, num_warps=8, num_stages=2)
+            return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=3)
+        return Config(BV=tile_width(args["V"], 32 if few == 2 else 64), BK=bk,
+                      num_warps=8 if few and wide else 4, num_stages=3 if few else 2)
     # The K x BV fp32 state lives in registers next to [64, 64] operand tiles of q, k, γ:
     # 8 warps (offline sm_90 compile, K = 128: 4 warps spill 2 KB a thread with BV = 64,
     # 8 warps 0.7 KB; storing h only, 32 B).
@@ -583,45 +596,51 @@ def _h_max_warps(args) -> int:
 
 
 def _h_space(args) -> list[Config]:
-    # H100, Triton 3.6, bf16, every config run in its own process and in the GPU sweep:
-    # BV = 32 with one stage faulted with an illegal address (1x8192x96x128, 4 and 8
-    # warps); three stages overflow the 227 KB of shared memory (q, k, fp32 γ and γq tiles
-    # per stage: 243-457 KB with RWKV6's γq at K = 128 and at K = 256), and so do two
-    # stages of BV = 64 at K = 256 (239-243 KB). The gated operands carry no γ tiles.
-    widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
-    stages = (1, 2, 3) if args["GATED_OPERANDS"] and args["K"] <= 128 else (1, 2)
+    # H100, Triton 3.6, bf16, every config run in its own process and in the GPU sweep
+    # (the pass holding S [BK, BV], before 2026-11-27): BV = 32 with one stage faulted
+    # with an illegal address (1x8192x96x128, 4 and 8 warps), never the fastest since
+    # either. Shared memory (q, k, and without the gated operands fp32 γ and γq tiles
+    # per stage) bounds the stages: three only on the gated operands up to K = 128, two
+    # elsewhere (offline sm_90 builds of the transposed pass, Triton 3.6, bf16: at most
+    # 180 KB, K = 256 at two stages). 128 columns only at 8 warps: at 4 their [128, BK]
+    # fp32 tiles spill (2.98 ms against 0.70 at K = 256).
+    max_warps = _h_max_warps(args)
+    widths = sorted({tile_width(args["V"], bv) for bv in (32, 64, 128)})
+    deep = args["GATED_OPERANDS"] and args["K"] <= 128
     rows = (state_row_heights(args["K"]) if args["GATED_OPERANDS"]
             else (tile_width(args["K"], 64),))
     return list(dict.fromkeys(
         Config(BV=bv, BK=bk, num_warps=w, num_stages=s)
-        for bv in widths for bk in rows for w in (4, 8) if w <= _h_max_warps(args)
-        for s in stages
-        if not (bv <= 32 and s == 1) and not (bv == 64 and s >= 2 and args["K"] > 128)))
+        for bv in widths for bk in rows for w in (4, 8) if w <= max_warps
+        for s in ((1, 2, 3) if deep else (1, 2))
+        if not (bv <= 32 and s == 1) and not (bv > 64 and w < 8)))
 
 
 @triton.jit
-def _gk_state_step(b_s, b_d, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L,
+def _gk_state_step(b_s, b_d, b_o, b_vt, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o_t, m_t, L,
                    HK, o_v, m_v, V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    EXCLUSIVE: tl.constexpr, GATED_OPERANDS: tl.constexpr,
                    STORE_H: tl.constexpr, STORE_O: tl.constexpr, TRANSITION: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """One [BK, BV] tile of the state through one chunk: stores it (``STORE_H``), adds
-    (Q ⊙ exp(γq)) S to the output (``STORE_O``), then decays and updates it; a
-    ``TRANSITION`` adds the chunk's γ_C to the tile's rows of the log decay ``b_d`` [BK].
-    ``q_b``, ``k_b``, ``g_b`` point at the chunk's first row, ``h_b`` at its state; with
-    ``GATED_OPERANDS`` q and k are already Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}."""
+    """One K tile of the transposed state, ``b_s`` = Sᵀ [BV, BK], through one chunk:
+    stores it as rows of h (``STORE_H``), adds Sᵀ (Q ⊙ exp(γq))ᵀ to the transposed
+    output ``b_o`` [BV, 64] (``STORE_O``), then decays and updates it by Vᵀ (K ⊙
+    exp(γ_C − γ)) (``b_vt`` = Vᵀ [BV, 64]); a ``TRANSITION`` adds the chunk's γ_C to the
+    tile's entries of the log decay ``b_d`` [BK]. ``q_b``, ``k_b``, ``g_b`` point at the
+    chunk's first row, ``h_b`` at its state; with ``GATED_OPERANDS`` q and k are already
+    Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}."""
     dt = k_b.dtype.element_ty
     o_k = i_kt * BK + tl.arange(0, BK)
     m_k = o_k < K
     if STORE_H:
-        tl.store(h_b + o_k[:, None] * V + o_v[None, :], b_s.to(h_b.dtype.element_ty),
-                 mask=m_k[:, None] & m_v[None, :])
+        tl.store(h_b + o_k[None, :] * V + o_v[:, None], b_s.to(h_b.dtype.element_ty),
+                 mask=m_v[:, None] & m_k[None, :])
     m_tk = m_t[:, None] & m_k[None, :]
     o_tk = o_t[:, None] * HK + o_k[None, :]
     b_gl = tl.load(g_b + (L - 1) * HK + o_k, mask=m_k, other=0.)
     if GATED_OPERANDS:
         if STORE_O:
-            b_o = tl.dot(tl.load(q_b + o_tk, mask=m_tk, other=0.), b_s.to(dt), b_o,
+            b_o = tl.dot(b_s.to(dt), tl.trans(tl.load(q_b + o_tk, mask=m_tk, other=0.)), b_o,
                          input_precision=DOT_PRECISION)
         b_kd = tl.load(k_b + o_tk, mask=m_tk, other=0.)
     else:
@@ -633,15 +652,15 @@ def _gk_state_step(b_s, b_d, b_o, b_v, q_b, k_b, g_b, h_b, i_kt: tl.constexpr, o
                 b_gq = b_g
             b_q = tl.load(q_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
             # γq is chunk-local and ≤ 0.
-            b_o = tl.dot((b_q * tl.exp(b_gq)).to(dt), b_s.to(dt), b_o,
+            b_o = tl.dot(b_s.to(dt), tl.trans((b_q * tl.exp(b_gq)).to(dt)), b_o,
                          input_precision=DOT_PRECISION)
         b_k = tl.load(k_b + o_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kd = tl.where(m_tk, b_k * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)),
                         0.).to(dt)
     if TRANSITION:
         b_d += b_gl
-    b_s = b_s * tl.exp(b_gl)[:, None]
-    b_s = tl.dot(tl.trans(b_kd), b_v, b_s, input_precision=DOT_PRECISION)
+    b_s = b_s * tl.exp(b_gl)[None, :]
+    b_s = tl.dot(b_vt, b_kd, b_s, input_precision=DOT_PRECISION)
     return b_s, b_d, b_o
 
 
@@ -660,11 +679,15 @@ def chunk_gk_fwd_h_kernel(
     TRANSITION: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), H, P)``: one program walks one sequence's chunks for one V
-    tile, the K x BV state held as up to four [BK, BV] fp32 tiles (BK = 64 or 128, a
-    tuning choice). P = N, or with ``SPLIT`` one program per row of ``segments [P, 3]``
-    int32 (sequence, first chunk, end chunk) walking that segment's chunks, ``h0`` and
-    ``ht`` then indexed by segment (h, o still by the sequence's tokens and global
-    chunks).
+    tile, the K x BV fp32 state held transposed, as up to four [BV, BK] tiles (BK a
+    tuning choice). Transposed, the update Sᵀ += Vᵀ K̃ accumulates into the tile in
+    place and the output's Sᵀ Q̃ᵀ takes it (cast to 16-bit) as a register operand: no
+    trip of the state through shared memory a chunk (H100, GLA 8x2048x32x256, the
+    output pass: 0.70 ms against 1.12 holding S [BK, BV]). Tensors keep their layouts:
+    h, h0 and ht are ``[.., K, V]`` and o ``[B, T, H, V]`` (stored through a transpose).
+    P = N, or with ``SPLIT`` one program per row of ``segments [P, 3]`` int32 (sequence,
+    first chunk, end chunk) walking that segment's chunks, ``h0`` and ``ht`` then
+    indexed by segment (h, o still by the sequence's tokens and global chunks).
     A ``TRANSITION`` (with ``SPLIT``, no o, no h) starts from zeros and stores the
     segment's X to ``ht [P, H, K, V]`` and, from the first V tile's program, its log
     decay d = Σ γ_C over its chunks to ``seg_decay [P, H, K]`` (fp32): over the segment
@@ -674,24 +697,21 @@ def chunk_gk_fwd_h_kernel(
     i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
                                                  IS_VARLEN)
-    # The sequence's first chunk in h.
-    if IS_VARLEN:
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    boh = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)   # the sequence's h rows
     dt = k.dtype.element_ty
     HK = H * K
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_s = o_k[:, None] * V + o_v[None, :]
-    m_s = (o_k < K)[:, None] & m_v[None, :]
+    # Element (v, k) of a transposed tile is the state's (k, v): address k·V + v.
+    o_s = o_v[:, None] + o_k[None, :] * V
+    m_s = m_v[:, None] & (o_k < K)[None, :]
 
-    b_s1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_s2 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_s3 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_s4 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_s1 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_s2 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_s3 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_s4 = tl.zeros([BV, BK], dtype=tl.float32)
     # A transition's log decay, per K tile (zeros elsewhere: unused, compiled away).
     b_d1 = tl.zeros([BK], dtype=tl.float32)
     b_d2 = tl.zeros([BK], dtype=tl.float32)
@@ -701,13 +721,13 @@ def chunk_gk_fwd_h_kernel(
         p_h0 = h0 + (i_p.to(tl.int64) * H + i_h) * (K * V) + o_s
         b_s1 += tl.load(p_h0, mask=m_s, other=0.).to(tl.float32)
         if K > BK:
-            b_s2 += tl.load(p_h0 + BK * V, mask=m_s & (BK + o_k < K)[:, None],
+            b_s2 += tl.load(p_h0 + BK * V, mask=m_s & (BK + o_k < K)[None, :],
                             other=0.).to(tl.float32)
         if K > 2 * BK:
-            b_s3 += tl.load(p_h0 + 2 * BK * V, mask=m_s & (2 * BK + o_k < K)[:, None],
+            b_s3 += tl.load(p_h0 + 2 * BK * V, mask=m_s & (2 * BK + o_k < K)[None, :],
                             other=0.).to(tl.float32)
         if K > 3 * BK:
-            b_s4 += tl.load(p_h0 + 3 * BK * V, mask=m_s & (3 * BK + o_k < K)[:, None],
+            b_s4 += tl.load(p_h0 + 3 * BK * V, mask=m_s & (3 * BK + o_k < K)[None, :],
                             other=0.).to(tl.float32)
 
     for i_t in range(first, end):
@@ -723,44 +743,44 @@ def chunk_gk_fwd_h_kernel(
         v_b = v + (row0 * H + i_h) * V
         o_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v_b + o_tv, mask=m_tv, other=0.).to(dt)
-        b_o = tl.zeros([BT, BV], dtype=tl.float32)
+        b_vt = tl.trans(tl.load(v_b + o_tv, mask=m_tv, other=0.).to(dt))
+        b_o = tl.zeros([BV, BT], dtype=tl.float32)
         if STORE_O:
             b_a = tl.load(A + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
                           mask=m_t[:, None], other=0.).to(dt)
-            b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PRECISION)
-        b_s1, b_d1, b_o = _gk_state_step(b_s1, b_d1, b_o, b_v, q_b, k_b, g_b, h_b, 0, o_t,
+            b_o = tl.dot(b_vt, tl.trans(b_a), b_o, input_precision=DOT_PRECISION)
+        b_s1, b_d1, b_o = _gk_state_step(b_s1, b_d1, b_o, b_vt, q_b, k_b, g_b, h_b, 0, o_t,
                                          m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
                                          GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
                                          DOT_PRECISION)
         if K > BK:
-            b_s2, b_d2, b_o = _gk_state_step(b_s2, b_d2, b_o, b_v, q_b, k_b, g_b, h_b, 1, o_t,
-                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+            b_s2, b_d2, b_o = _gk_state_step(b_s2, b_d2, b_o, b_vt, q_b, k_b, g_b, h_b, 1,
+                                             o_t, m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
                                              GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
                                              DOT_PRECISION)
         if K > 2 * BK:
-            b_s3, b_d3, b_o = _gk_state_step(b_s3, b_d3, b_o, b_v, q_b, k_b, g_b, h_b, 2, o_t,
-                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+            b_s3, b_d3, b_o = _gk_state_step(b_s3, b_d3, b_o, b_vt, q_b, k_b, g_b, h_b, 2,
+                                             o_t, m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
                                              GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
                                              DOT_PRECISION)
         if K > 3 * BK:
-            b_s4, b_d4, b_o = _gk_state_step(b_s4, b_d4, b_o, b_v, q_b, k_b, g_b, h_b, 3, o_t,
-                                             m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
+            b_s4, b_d4, b_o = _gk_state_step(b_s4, b_d4, b_o, b_vt, q_b, k_b, g_b, h_b, 3,
+                                             o_t, m_t, L, HK, o_v, m_v, V, K, BK, EXCLUSIVE,
                                              GATED_OPERANDS, STORE_H, STORE_O, TRANSITION,
                                              DOT_PRECISION)
         if STORE_O:
-            tl.store(o + (row0 * H + i_h) * V + o_tv, (b_o * scale).to(o.dtype.element_ty),
-                     mask=m_tv)
+            tl.store(o + (row0 * H + i_h) * V + o_tv,
+                     tl.trans(b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
     if STORE_FINAL_STATE:
         p_ht = ht + (i_p.to(tl.int64) * H + i_h) * (K * V) + o_s
         tl.store(p_ht, b_s1, mask=m_s)
         if K > BK:
-            tl.store(p_ht + BK * V, b_s2, mask=m_s & (BK + o_k < K)[:, None])
+            tl.store(p_ht + BK * V, b_s2, mask=m_s & (BK + o_k < K)[None, :])
         if K > 2 * BK:
-            tl.store(p_ht + 2 * BK * V, b_s3, mask=m_s & (2 * BK + o_k < K)[:, None])
+            tl.store(p_ht + 2 * BK * V, b_s3, mask=m_s & (2 * BK + o_k < K)[None, :])
         if K > 3 * BK:
-            tl.store(p_ht + 3 * BK * V, b_s4, mask=m_s & (3 * BK + o_k < K)[:, None])
+            tl.store(p_ht + 3 * BK * V, b_s4, mask=m_s & (3 * BK + o_k < K)[None, :])
     if TRANSITION:
         # Every V tile's program sums the same decays; one stores them.
         if i_v == 0:
