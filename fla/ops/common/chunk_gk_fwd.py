@@ -12,9 +12,11 @@ reads the state before its token) and S = h[chunk] the state entering the chunk:
 ``chunk_gk_fwd_A_kernel`` (one program per chunk and head) computes γ from g in
 registers, writes it (the state pass and the backward read it) and A, and for the
 forward's own pass the gated operands Q ⊙ e^{γq} and K ⊙ e^{γ_C − γ}: the sequential
-pass ``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence) then runs no
-exponential (``GATED_OPERANDS``; the backward's recomputation of the per-chunk states,
-``STORE_H``, gates k itself). No [T, K, V]-sized tensor is written on the way to O.
+pass ``chunk_gk_fwd_h_kernel`` (one program per V tile, head and sequence, the state
+held transposed in registers) then runs no exponential (``GATED_OPERANDS``; without them
+it gates q and k itself). No [T, K, V]-sized tensor is written on the way to O; the
+backward's recomputation of the per-chunk states runs the same pass storing h
+(``STORE_H``) instead of O.
 
 Few long sequences leave that pass's grid thin (2x16384x16x128: 128 programs on 132 SMs,
 each walking 256 chunks), so it may run split into segments of chunks (``SPLIT``), as
