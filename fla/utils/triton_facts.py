@@ -56,10 +56,12 @@ HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
 # costs nothing at real head sizes (>= 64).
 MIN_DOT_TILE = 32
 
-# Triton 3.3.1 aborts compiling the vector-gate state pass with its output fused
-# (chunk_gk_fwd_h_kernel, STORE_O) at 8 warps: "chooseStMatrixLayoutLeadingOffset:
-# Each chunk is filled in with a single warp" (offline sm_90 compile, every BV and stage
-# count), and so the state passes at K = 256 (chunk_gated_delta_rule_fwd_h_kernel and
+# Triton 3.3.1 aborted compiling the vector-gate state pass with its output fused
+# (chunk_gk_fwd_h_kernel, STORE_O) at 8 warps while it held S [BK, BV]:
+# "chooseStMatrixLayoutLeadingOffset: Each chunk is filled in with a single warp"
+# (offline sm_90 compile, every BV and stage count; the transposed pass on its gated
+# operands builds and runs right there, chunk_gk_fwd._h_max_warps), and so the state
+# passes at K = 256 (chunk_gated_delta_rule_fwd_h_kernel and
 # chunk_gated_delta_rule_bwd_dhu_kernel, 8 warps, BV = 32 and 64) and the WY backward at
 # 8 warps (prepare_wy_repr_bwd_kernel, K = 128 and 256, every tile), and the fused
 # forward pass's K = 256 output pass at 8 warps (chunk_gated_delta_rule_fwd_inter_kernel,

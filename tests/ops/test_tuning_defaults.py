@@ -302,12 +302,9 @@ GK_PASS_MS = {
 
 
 @pytest.mark.parametrize("mode", list(GK_PASS_MS))
-def test_transposed_state_pass_defaults_follow_the_measured_best(mode, monkeypatch):
-    """Where this Triton builds the output pass at 8 warps (3.6 on): each default within
-    5% of the fastest measured and in its space."""
+def test_transposed_state_pass_defaults_follow_the_measured_best(mode):
+    """Each default within 5% of the fastest measured and in its space."""
     from fla.ops.common import chunk_gk_fwd
-    from fla.utils import triton_facts
-    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", True)
     for shape, times in GK_PASS_MS[mode].items():
         D, few = _dims(shape)
         args = dict(K=D, V=D, k=BF16, GATED_OPERANDS=True, STORE_O=mode == "out",
@@ -317,22 +314,31 @@ def test_transposed_state_pass_defaults_follow_the_measured_best(mode, monkeypat
         _follows_the_best((mode, shape), times, config, chunk_gk_fwd._h_space(args), entry)
 
 
-def test_transposed_output_pass_without_8_warps(monkeypatch):
-    """Where this Triton cannot build the output pass at 8 warps (3.3): 32 columns at 4
-    warps above K = 128, and every default in its space."""
+@pytest.mark.parametrize("ok", [True, False])
+def test_transposed_output_pass_keeps_8_warps_on_the_gated_operands(monkeypatch, ok):
+    """On the gated operands the output pass keeps 8 warps on every release (Triton 3.3.1
+    builds and runs the transposed pass there: GPU config sweeps, 2026-11-27); gating its
+    own operands it keeps the release's rule (no 8 warps where the fact says so), and
+    fp32 operands above K = 128 take 32 columns at 4 warps. Every default in its space."""
     from fla.ops.common import chunk_gk_fwd
     from fla.utils import triton_facts
-    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", False)
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
     for D in (64, 128, 256):
         for few in (0, 1, 2):
             for k in (BF16, FP32):
-                args = dict(K=D, V=D, k=k, GATED_OPERANDS=True, STORE_O=True, STORE_H=False,
-                            FEW_PROGRAMS=few)
-                config = chunk_gk_fwd._h_default(args)
-                assert config.num_warps == 4 and config in chunk_gk_fwd._h_space(args)
-    args = dict(K=256, V=256, k=BF16, GATED_OPERANDS=True, STORE_O=True, STORE_H=False,
+                for gated in (True, False):
+                    args = dict(K=D, V=D, k=k, GATED_OPERANDS=gated, STORE_O=True,
+                                STORE_H=False, FEW_PROGRAMS=few)
+                    config = chunk_gk_fwd._h_default(args)
+                    warps = {c.num_warps for c in chunk_gk_fwd._h_space(args)}
+                    assert config in chunk_gk_fwd._h_space(args), (D, few, k.dtype, gated)
+                    assert (8 in warps) == (gated or ok), (D, few, k.dtype, gated, warps)
+    wide = dict(K=256, V=256, GATED_OPERANDS=True, STORE_O=True, STORE_H=False,
                 FEW_PROGRAMS=0)
-    assert chunk_gk_fwd._h_default(args).meta["BV"] == 32
+    config = chunk_gk_fwd._h_default(dict(wide, k=BF16))
+    assert (config.meta["BV"], config.num_warps) == (128, 8)
+    config = chunk_gk_fwd._h_default(dict(wide, k=FP32))
+    assert (config.meta["BV"], config.num_warps) == (32, 4)
 
 
 @pytest.mark.parametrize("kernel", list(STAGE_MS))

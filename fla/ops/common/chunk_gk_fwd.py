@@ -561,7 +561,7 @@ def _h_default(args) -> Config:
         # new space forced in turn, ms): above K = 128 (GLA 8x2048x32x256) the output
         # pass at 128 columns, 8 warps, two stages, 0.698 (the pass holding S [BK, BV]
         # took 1.122 at its best; here 64 rows 0.684, 4 warps at 32 columns 0.894, the
-        # rule where this Triton cannot build 8 warps), the h pass at 64 columns, 8
+        # rule kept for fp32 operands, not timed at 8 warps), the h pass at 64 columns, 8
         # warps, 0.690 (128 columns 0.853; S [BK, BV] 0.79). Up to K = 128 on a full grid
         # (1x8192x96x128) the output pass 0.393 and the h pass 0.331 at 64 columns, 4
         # warps, as S [BK, BV] did (0.395, 0.325). On a thin grid (FEW_PROGRAMS) 8 warps
@@ -569,7 +569,7 @@ def _h_default(args) -> Config:
         # 4x4096x16x128 0.139 against 0.151; the h pass there at 32 columns, 8 warps, two
         # stages, 0.071 against 0.075 and 0.134 against 0.141.
         bk = tile_width(args["K"], 128)
-        wide = 8 <= _h_max_warps(args) and sixteen_bit(args)
+        wide = sixteen_bit(args)
         states_only = args.get("STORE_H") and not args.get("STORE_O", True)
         if args["K"] > 128:
             if states_only:
@@ -594,6 +594,14 @@ def _h_default(args) -> Config:
 
 
 def _h_max_warps(args) -> int:
+    # On the gated operands the transposed pass takes 8 warps on every release: Triton
+    # 3.3.1 aborted building the pass that held S [BK, BV] at 8 warps with its output
+    # fused; the transposed one it builds (offline sm_90, every config at K = 256) and
+    # runs right (H100, GLA's config sweeps at D = 128 and 256 with 8 warps in the
+    # space, its GPU tests and RWKV6's, 2026-11-27). Gating its own operands (the
+    # public stage's path) it keeps the release's rule: not run at 8 warps on 3.3.
+    if args["GATED_OPERANDS"]:
+        return 8
     return max(warp_choices(stmatrix_prone=args["STORE_O"]))
 
 
