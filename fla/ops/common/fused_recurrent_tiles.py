@@ -6,9 +6,10 @@ The fused recurrent kernels of the gated delta rule (and simple GLA through it),
 the whole sequence, BK covering all of K (so ``Sᵀx`` is complete inside one program and V
 tiles never talk to each other). Their forwards choose BV and warps by the same rule,
 their backwards fix BV in the launcher (it sets the layout of the partial sums over V
-tiles) and tune warps only, and every kernel finds its sequence's tokens the same way.
-Those rules live here once, with the measurements behind them; each family's module
-imports them and passes them to ``@tuned``.
+tiles) and tune warps only, and every kernel finds its sequence's tokens, its state tile
+and each token's rows the same way. Those rules and building blocks live here once, with
+the measurements behind them; each family's module imports them (the rules go to
+``@tuned``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
 __all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
-           "bwd_default_config", "bwd_config_space", "sequence_bounds"]
+           "bwd_default_config", "bwd_config_space", "sequence_bounds", "state_tile",
+           "load_state", "token_row", "load_token_row"]
 
 
 def block_k(K: int) -> int:
@@ -90,3 +92,47 @@ def sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
         bos = i_n.to(tl.int64) * T
         length = T
     return bos, length
+
+
+@triton.jit
+def token_row(x, t, rows, row, width: tl.constexpr, offsets):
+    """Pointers to ``offsets`` inside row ``row`` of token ``t`` of a token-major tensor
+    with ``rows`` rows of ``width`` elements a token: ``x[t, row, offsets]`` of an
+    ``[.., rows, width]`` view (t int64, in the packed token axis). Per-token scalars
+    (a gate, β) are width 1 with offsets 0; partial sums over V tiles ``[tokens, H, NV,
+    K]`` are rows = H·NV, row = h·NV + i_v. The sweeps index each token by this instead
+    of carrying pointers that every step moves."""
+    return x + (t * rows + row) * width + offsets
+
+
+@triton.jit
+def load_token_row(x, t, rows, row, width: tl.constexpr, offsets, mask):
+    """:func:`token_row`'s elements, masked (zeros where ``mask`` is false), in float32."""
+    return tl.load(token_row(x, t, rows, row, width, offsets), mask=mask,
+                   other=0.).to(tl.float32)
+
+
+@triton.jit
+def state_tile(i_v, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr):
+    """Program (V tile ``i_v``, sequence·head ``i_nh``)'s tile of its [K, V] state:
+    ``(o_k, o_v, m_k, m_v, o_s, m_s, state)``, the row (K) and column (V) offsets and
+    masks, the tile's offsets and mask inside one state (V contiguous, so each row of
+    the tile is one vectorised access) and the state's first element in an
+    ``[N·H, K, V]`` tensor (int64)."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    return (o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :],
+            i_nh.to(tl.int64) * K * V)
+
+
+@triton.jit
+def load_state(x, state, o_s, m_s, BK: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
+    """The program's [BK, BV] float32 tile of ``x``'s state (an initial state, a final
+    state's gradient; :func:`state_tile`'s offsets), zeros unless ``LOAD``."""
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if LOAD:
+        b_s += tl.load(x + state + o_s, mask=m_s, other=0.).to(tl.float32)
+    return b_s

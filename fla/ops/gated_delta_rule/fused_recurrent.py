@@ -63,7 +63,11 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space,
     default_config as _default_config,
+    load_state,
+    load_token_row,
     sequence_bounds as _sequence_bounds,
+    state_tile,
+    token_row,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
@@ -74,6 +78,14 @@ from fla.utils.tuning import tuned
 
 # The forward also tries V tiles of 128 (the other families stop at 64).
 _config_space = functools.partial(config_space, block_vs=(8, 16, 32, 64, 128))
+
+
+@triton.jit
+def _unit(b_x, L2NORM: tl.constexpr):
+    """``b_x`` over its L2 norm, rsqrt(‖x‖² + L2NORM_EPS), with ``L2NORM``; else as is."""
+    if L2NORM:
+        b_x = b_x * tl.rsqrt(tl.reduce(b_x * b_x, 0, _sum_combine) + 1e-6)
+    return b_x
 
 
 # ------------------------------------------------------------------------- forward
@@ -92,65 +104,29 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     i_h = i_hv // (HV // H)
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    # Offsets of the state tile inside one [K, V] state; V is contiguous, so each row of
-    # the tile is one vectorised load.
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * HV + i_hv) * V + o_v
-    p_o = o + (bos * HV + i_hv) * V + o_v
-    # Optional inputs are None (a constexpr) when unused: no pointer is formed from them.
-    if SAVE_U:
-        p_u = u + (bos * HV + i_hv) * V + o_v
-    if USE_G:
-        p_g = g + bos * HV + i_hv
-    if USE_BETA:
-        p_beta = beta + bos * HV + i_hv
+    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
 
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
-
-    for _ in range(0, length):
-        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
-        if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-            b_q = b_q * tl.rsqrt(tl.reduce(b_q * b_q, 0, _sum_combine) + 1e-6)
-        b_q = b_q * scale
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
-        if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-            b_k = b_k * tl.rsqrt(tl.reduce(b_k * b_k, 0, _sum_combine) + 1e-6)
-        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+    for i in range(0, length):
+        t = bos + i
+        b_q = _unit(load_token_row(q, t, H, i_h, K, o_k, m_k), L2NORM) * scale
+        b_k = _unit(load_token_row(k, t, H, i_h, K, o_k, m_k), L2NORM)
+        b_v = load_token_row(v, t, HV, i_hv, V, o_v, m_v)
+        # Optional inputs are None (a constexpr) when unused: no pointer is formed from them.
         if USE_G:
-            b_s = b_s * tl.exp(tl.load(p_g).to(tl.float32))
+            b_s = b_s * tl.exp(tl.load(token_row(g, t, HV, i_hv, 1, 0)).to(tl.float32))
         if DELTA:
             b_u = b_v - tl.reduce(b_s * b_k[:, None], 0, _sum_combine)
         else:
             b_u = b_v
         if SAVE_U:
-            tl.store(p_u, b_u, mask=m_v)
+            tl.store(token_row(u, t, HV, i_hv, V, o_v), b_u, mask=m_v)
         if USE_BETA:
-            b_u = b_u * tl.load(p_beta).to(tl.float32)
+            b_u = b_u * tl.load(token_row(beta, t, HV, i_hv, 1, 0)).to(tl.float32)
         b_s += b_k[:, None] * b_u[None, :]
         b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
-
-        p_q += H * K
-        p_k += H * K
-        p_v += HV * V
-        p_o += HV * V
-        if SAVE_U:
-            p_u += HV * V
-        if USE_G:
-            p_g += HV
-        if USE_BETA:
-            p_beta += HV
+        tl.store(token_row(o, t, HV, i_hv, V, o_v), b_o.to(o.dtype.element_ty), mask=m_v)
 
     if STORE_HT:
         tl.store(ht + state + o_s, b_s, mask=m_s)
@@ -174,15 +150,12 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
     i_h = i_hv // (HV // H)
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
     # ---- reverse sweep: the adjoint state D, from dht back to dh0
+    # (Pointers stepped a token at a time: recomputed from the token index, as the other
+    # fused recurrent kernels do with token_row, this kernel took 80 -> 96 registers at K
+    # = 64, fp16, 8 warps (offline sm_90 build): three programs an SM to two.)
     last = bos + length - 1
     p_q = q + (last * H + i_h) * K + o_k
     p_k = k + (last * H + i_h) * K + o_k
@@ -197,17 +170,10 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         p_beta = beta + last * HV + i_hv
         p_db = dbeta + (last * HV + i_hv) * NV + i_v
 
-    b_d = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_d += tl.load(dht + state + o_s, mask=m_s, other=0.0).to(tl.float32)
+    b_d = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
     for _ in range(0, length):
-        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
-        if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-            b_q = b_q * tl.rsqrt(tl.reduce(b_q * b_q, 0, _sum_combine) + 1e-6)
-        b_q = b_q * scale
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
-        if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-            b_k = b_k * tl.rsqrt(tl.reduce(b_k * b_k, 0, _sum_combine) + 1e-6)
+        b_q = _unit(tl.load(p_q, mask=m_k, other=0.0).to(tl.float32), L2NORM) * scale
+        b_k = _unit(tl.load(p_k, mask=m_k, other=0.0).to(tl.float32), L2NORM)
         b_u = tl.load(p_u, mask=m_v, other=0.0).to(tl.float32)
         b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
         b_d += b_q[:, None] * b_do[None, :]
@@ -262,13 +228,9 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
     if USE_BETA:
         p_beta = beta + bos * HV + i_hv
 
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
+    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
     for _ in range(0, length):
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
-        if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-            b_k = b_k * tl.rsqrt(tl.reduce(b_k * b_k, 0, _sum_combine) + 1e-6)
+        b_k = _unit(tl.load(p_k, mask=m_k, other=0.0).to(tl.float32), L2NORM)
         b_u = tl.load(p_u, mask=m_v, other=0.0).to(tl.float32)
         b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
         b_dw = tl.load(p_dw, mask=m_v, other=0.0)
@@ -286,9 +248,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         b_dq = tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale
         tl.store(p_dq, b_dq, mask=m_k)
         if USE_G:
-            b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
-            if L2NORM:  # rsqrt(‖x‖² + eps), L2NORM_EPS
-                b_q = b_q * tl.rsqrt(tl.reduce(b_q * b_q, 0, _sum_combine) + 1e-6)
+            b_q = _unit(tl.load(p_q, mask=m_k, other=0.0).to(tl.float32), L2NORM)
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             # o·do − v·dv (q·dq = o·do); b_dw holds dv here.
             b_dg = tl.reduce(b_q * b_dq, 0, _sum_combine) - tl.reduce(b_v * b_dw, 0, _sum_combine)

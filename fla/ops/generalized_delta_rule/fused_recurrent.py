@@ -37,7 +37,9 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
     default_config as _default_config,
+    load_state,
     sequence_bounds as _sequence_bounds,
+    state_tile,
 )
 from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
@@ -46,6 +48,16 @@ from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
+
+
+@triton.jit
+def _token_offsets(t, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, o_k, o_v,
+                   NV: tl.constexpr, i_v):
+    """Token t's offsets (int64) into the [.., H, K] inputs (q, k, a, b, gk), the [.., H,
+    V] ones (v, o, s and their gradients) and the partial sums over V tiles [.., H, NV,
+    K] (this program's row i_v)."""
+    return ((t * H + i_h) * K + o_k, (t * H + i_h) * V + o_v,
+            ((t * H + i_h) * NV + i_v) * K + o_k)
 
 
 @tuned(key=["K", "V", "q", "h0"], default=_default_config, space=_config_space)
@@ -59,19 +71,11 @@ def fused_recurrent_dplr_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    p_k = (bos * H + i_h) * K + o_k    # offsets into q, k, a, b, gk
-    p_v = (bos * H + i_h) * V + o_v    # offsets into v, o, s
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_S += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
-    for _ in range(0, length):
+    b_S = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    for i in range(0, length):
+        p_k, p_v, _ = _token_offsets(bos + i, i_h, H, K, V, o_k, o_v, 1, 0)
         b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -84,8 +88,6 @@ def fused_recurrent_dplr_fwd_kernel(
         b_S = b_S * tl.exp(b_g)[:, None] + b_b[:, None] * b_s[None, :] + b_k[:, None] * b_v[None, :]
         b_o = tl.reduce(b_S * b_q[:, None], 0, _sum_combine)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        p_k += H * K
-        p_v += H * V
     if STORE_HT:
         tl.store(ht + state + o_s, b_S, mask=m_s)
 
@@ -103,22 +105,12 @@ def fused_recurrent_dplr_bwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
     # ---- reverse sweep: D from dht back to dh0
-    last = bos + length - 1
-    p_k = (last * H + i_h) * K + o_k
-    p_v = (last * H + i_h) * V + o_v
-    p_p = ((last * H + i_h) * NV + i_v) * K + o_k     # partial-sum rows
-    b_D = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_D += tl.load(dht + state + o_s, mask=m_s, other=0.0).to(tl.float32)
-    for _ in range(0, length):
+    b_D = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
+    for i in range(0, length):
+        p_k, p_v, p_p = _token_offsets(bos + length - 1 - i, i_h, H, K, V, o_k, o_v, NV, i_v)
         b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -135,9 +127,6 @@ def fused_recurrent_dplr_bwd_kernel(
         b_dv = tl.reduce(b_D * b_k[:, None], 0, _sum_combine)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
         b_D = b_D * tl.exp(b_g)[:, None] + b_a[:, None] * b_ds[None, :]
-        p_k -= H * K
-        p_v -= H * V
-        p_p -= H * NV * K
     if STORE_DH0:
         tl.store(dh0 + state + o_s, b_D, mask=m_s)
 
@@ -145,13 +134,9 @@ def fused_recurrent_dplr_bwd_kernel(
     tl.debug_barrier()
 
     # ---- forward sweep: rebuild S_t from h0
-    p_k = (bos * H + i_h) * K + o_k
-    p_v = (bos * H + i_h) * V + o_v
-    p_p = ((bos * H + i_h) * NV + i_v) * K + o_k
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_S += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
-    for _ in range(0, length):
+    b_S = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    for i in range(0, length):
+        p_k, p_v, p_p = _token_offsets(bos + i, i_h, H, K, V, o_k, o_v, NV, i_v)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -163,9 +148,6 @@ def fused_recurrent_dplr_bwd_kernel(
         b_s = tl.reduce(b_S * b_a[:, None], 0, _sum_combine)
         b_S = b_S * tl.exp(b_g)[:, None] + b_b[:, None] * b_s[None, :] + b_k[:, None] * b_v[None, :]
         tl.store(dq + p_p, tl.reduce(b_S * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
-        p_k += H * K
-        p_v += H * V
-        p_p += H * NV * K
 
 
 def fused_recurrent_dplr_fwd(q, k, v, a, b, gk, scale, initial_state, output_final_state,

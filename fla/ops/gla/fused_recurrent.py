@@ -40,7 +40,10 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
     default_config as _default_config,
+    load_state,
     sequence_bounds as _sequence_bounds,
+    state_tile,
+    token_row,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
@@ -53,11 +56,15 @@ __all__ = ["fused_recurrent_gla", "fused_recurrent_gla_on_inputs"]
 
 
 @triton.jit
-def _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
+def _decay(b_s, gk, gv, t, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, o_k, o_v,
+           m_k, m_v, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
+    """``b_s`` [BK, BV] times token t's gates: diag(e^{gk_t}) · b_s · diag(e^{gv_t})."""
     if USE_GK:
-        b_s = b_s * tl.exp(tl.load(p_gk, mask=m_k, other=0.).to(tl.float32))[:, None]
+        b_gk = tl.load(token_row(gk, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_s = b_s * tl.exp(b_gk)[:, None]
     if USE_GV:
-        b_s = b_s * tl.exp(tl.load(p_gv, mask=m_v, other=0.).to(tl.float32))[None, :]
+        b_gv = tl.load(token_row(gv, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
+        b_s = b_s * tl.exp(b_gv)[None, :]
     return b_s
 
 
@@ -73,46 +80,22 @@ def fused_recurrent_gla_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * H + i_h) * V + o_v
-    p_o = o + (bos * H + i_h) * V + o_v
-    p_gk = gk
-    if USE_GK:
-        p_gk = gk + (bos * H + i_h) * K + o_k
-    p_gv = gv
-    if USE_GV:
-        p_gv = gv + (bos * H + i_h) * V + o_v
-
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.).to(tl.float32)
-    for _ in range(0, length):
-        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    for i in range(0, length):
+        t = bos + i
+        b_q = tl.load(token_row(q, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_q = b_q * scale
+        b_k = tl.load(token_row(k, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(token_row(v, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
         if EXCLUSIVE:
             b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
-        b_s = _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        b_s = _decay(b_s, gk, gv, t, i_h, H, K, V, o_k, o_v, m_k, m_v, USE_GK, USE_GV)
         b_s += b_k[:, None] * b_v[None, :]
         if not EXCLUSIVE:
             b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
-        p_q += H * K
-        p_k += H * K
-        p_v += H * V
-        p_o += H * V
-        if USE_GK:
-            p_gk += H * K
-        if USE_GV:
-            p_gv += H * V
+        tl.store(token_row(o, t, H, i_h, V, o_v), b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HT:
         tl.store(ht + state + o_s, b_s, mask=m_s)
 
@@ -133,102 +116,52 @@ def fused_recurrent_gla_bwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
-    state = i_nh.to(tl.int64) * K * V
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
+    # Partial sums over V tiles: row h·NV + i_v of the H·NV rows a token.
+    part = i_h * NV + i_v
 
     # ---- reverse sweep: the adjoint state D, from dht back to dh0
-    last = bos + length - 1
-    p_q = q + (last * H + i_h) * K + o_k
-    p_k = k + (last * H + i_h) * K + o_k
-    p_v = v + (last * H + i_h) * V + o_v
-    p_do = do + (last * H + i_h) * V + o_v
-    p_dv = dv + (last * H + i_h) * V + o_v
-    p_dk = dk + ((last * H + i_h) * NV + i_v) * K + o_k
-    p_gk = gk
-    if USE_GK:
-        p_gk = gk + (last * H + i_h) * K + o_k
-    p_gv = gv
-    if USE_GV:
-        p_gv = gv + (last * H + i_h) * V + o_v
-    b_d = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_d += tl.load(dht + state + o_s, mask=m_s, other=0.).to(tl.float32)
-    for _ in range(0, length):
-        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
-        b_do = tl.load(p_do, mask=m_v, other=0.).to(tl.float32)
+    b_d = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
+    for i in range(0, length):
+        t = bos + length - 1 - i
+        b_q = tl.load(token_row(q, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_q = b_q * scale
+        b_k = tl.load(token_row(k, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(token_row(v, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
+        b_do = tl.load(token_row(do, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
         if not EXCLUSIVE:
             b_d += b_q[:, None] * b_do[None, :]
-        tl.store(p_dk, tl.reduce(b_d * b_v[None, :], 1, _sum_combine), mask=m_k)
-        tl.store(p_dv, tl.reduce(b_d * b_k[:, None], 0, _sum_combine), mask=m_v)
-        b_d = _decay(b_d, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        tl.store(token_row(dk, t, H * NV, part, K, o_k),
+                 tl.reduce(b_d * b_v[None, :], 1, _sum_combine), mask=m_k)
+        tl.store(token_row(dv, t, H, i_h, V, o_v),
+                 tl.reduce(b_d * b_k[:, None], 0, _sum_combine), mask=m_v)
+        b_d = _decay(b_d, gk, gv, t, i_h, H, K, V, o_k, o_v, m_k, m_v, USE_GK, USE_GV)
         if EXCLUSIVE:
             b_d += b_q[:, None] * b_do[None, :]
-        p_q -= H * K
-        p_k -= H * K
-        p_v -= H * V
-        p_do -= H * V
-        p_dv -= H * V
-        p_dk -= H * NV * K
-        if USE_GK:
-            p_gk -= H * K
-        if USE_GV:
-            p_gv -= H * V
     if STORE_DH0:
         tl.store(dh0 + state + o_s, b_d, mask=m_s)
     # The forward sweep reads back dv written above by other threads of this program.
     tl.debug_barrier()
 
     # ---- forward sweep: rebuild S_t from h0; dq, and o for the gv gradient
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * H + i_h) * V + o_v
-    p_do = do + (bos * H + i_h) * V + o_v
-    p_dv = dv + (bos * H + i_h) * V + o_v
-    p_dq = dq + ((bos * H + i_h) * NV + i_v) * K + o_k
-    p_gk = gk
-    if USE_GK:
-        p_gk = gk + (bos * H + i_h) * K + o_k
-    p_gv = gv
-    if USE_GV:
-        p_gv = gv + (bos * H + i_h) * V + o_v
-    p_dgv = dgv
-    if USE_GV:
-        p_dgv = dgv + (bos * H + i_h) * V + o_v
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + state + o_s, mask=m_s, other=0.).to(tl.float32)
-    for _ in range(0, length):
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
-        b_do = tl.load(p_do, mask=m_v, other=0.).to(tl.float32)
+    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    for i in range(0, length):
+        t = bos + i
+        b_k = tl.load(token_row(k, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(token_row(v, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
+        b_do = tl.load(token_row(do, t, H, i_h, V, o_v), mask=m_v, other=0.).to(tl.float32)
+        p_dq = token_row(dq, t, H * NV, part, K, o_k)
         if EXCLUSIVE:
             tl.store(p_dq, tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
-        b_s = _decay(b_s, p_gk, p_gv, m_k, m_v, USE_GK, USE_GV)
+        b_s = _decay(b_s, gk, gv, t, i_h, H, K, V, o_k, o_v, m_k, m_v, USE_GK, USE_GV)
         b_s += b_k[:, None] * b_v[None, :]
         if not EXCLUSIVE:
             tl.store(p_dq, tl.reduce(b_s * b_do[None, :], 1, _sum_combine) * scale, mask=m_k)
         if USE_GV:
-            b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale
-            b_o = tl.reduce(b_s * b_q[:, None], 0, _sum_combine)
-            b_dv = tl.load(p_dv, mask=m_v, other=0.)
-            tl.store(p_dgv, b_o * b_do - b_v * b_dv, mask=m_v)
-            p_dgv += H * V
-        p_q += H * K
-        p_k += H * K
-        p_v += H * V
-        p_do += H * V
-        p_dv += H * V
-        p_dq += H * NV * K
-        if USE_GK:
-            p_gk += H * K
-        if USE_GV:
-            p_gv += H * V
+            b_q = tl.load(token_row(q, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
+            b_o = tl.reduce(b_s * (b_q * scale)[:, None], 0, _sum_combine)
+            b_dv = tl.load(token_row(dv, t, H, i_h, V, o_v), mask=m_v, other=0.)
+            tl.store(token_row(dgv, t, H, i_h, V, o_v), b_o * b_do - b_v * b_dv, mask=m_v)
 
 
 def _forward(q, k, v, gk, gv, scale, initial_state, store_final_state, cu_seqlens, offsets,
