@@ -18,6 +18,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_torch import chunk_gated_delta_rule_fwd_h_torch
 from fla.ops.utils.index import varlen_chunk_offsets
+from fla.ops.utils.state_tiles import decay_state_tiles, load_state_tiles, store_state_tiles
 from fla.ops.utils.tiles import check_chunk_size, sixteen_bit, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, use_op
@@ -122,43 +123,19 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # Offsets of the state's first BK×BV tile inside one [K, V] matrix; tile j adds j·BK·V.
+    # The state as row tiles of the K x V matrix (fla.ops.utils.state_tiles).
     o_s = o_k[:, None] * V + o_v[None, :]
-    m_s1 = (o_k < K)[:, None] & m_v[None, :]
-    m_s2 = (BK + o_k < K)[:, None] & m_v[None, :]
-    m_s3 = (2 * BK + o_k < K)[:, None] & m_v[None, :]
-    m_s4 = (3 * BK + o_k < K)[:, None] & m_v[None, :]
-
-    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > BK:
-        b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > 2 * BK:
-        b_h3 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > 3 * BK:
-        b_h4 = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        p_h0 = h0 + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
-        b_h1 += tl.load(p_h0, mask=m_s1, other=0.).to(tl.float32)
-        if K > BK:
-            b_h2 += tl.load(p_h0 + BK * V, mask=m_s2, other=0.).to(tl.float32)
-        if K > 2 * BK:
-            b_h3 += tl.load(p_h0 + 2 * BK * V, mask=m_s3, other=0.).to(tl.float32)
-        if K > 3 * BK:
-            b_h4 += tl.load(p_h0 + 3 * BK * V, mask=m_s4, other=0.).to(tl.float32)
+    state = (i_n.to(tl.int64) * H + i_h) * (K * V)
+    b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV,
+                                              USE_INITIAL_STATE)
 
     for i_t in range(NT):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
 
         # h[chunk] = the state entering it.
-        p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_s
-        tl.store(p_h, b_h1.to(h.dtype.element_ty), mask=m_s1)
-        if K > BK:
-            tl.store(p_h + BK * V, b_h2.to(h.dtype.element_ty), mask=m_s2)
-        if K > 2 * BK:
-            tl.store(p_h + 2 * BK * V, b_h3.to(h.dtype.element_ty), mask=m_s3)
-        if K > 3 * BK:
-            tl.store(p_h + 3 * BK * V, b_h4.to(h.dtype.element_ty), mask=m_s4)
+        store_state_tiles(h, ((boh + i_t) * H + i_h) * (K * V), b_h1, b_h2, b_h3, b_h4, o_s,
+                          o_k, m_v, K, V, BK)
 
         o_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -189,14 +166,8 @@ def chunk_gated_delta_rule_fwd_h_kernel(
             b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
             b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             b_v = b_v * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
-            b_decay = tl.exp(b_g_last)
-            b_h1 *= b_decay
-            if K > BK:
-                b_h2 *= b_decay
-            if K > 2 * BK:
-                b_h3 *= b_decay
-            if K > 3 * BK:
-                b_h4 *= b_decay
+            b_h1, b_h2, b_h3, b_h4 = decay_state_tiles(b_h1, b_h2, b_h3, b_h4,
+                                                       tl.exp(b_g_last), K, BK)
         b_v = b_v.to(k.dtype.element_ty)
 
         # S += Kᵀ·Vn: K read transposed as [BK, BT] tiles straight from memory.
@@ -216,14 +187,7 @@ def chunk_gated_delta_rule_fwd_h_kernel(
             b_h4 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
-        p_ht = ht + (i_n.to(tl.int64) * H + i_h) * (K * V) + o_s
-        tl.store(p_ht, b_h1, mask=m_s1)
-        if K > BK:
-            tl.store(p_ht + BK * V, b_h2, mask=m_s2)
-        if K > 2 * BK:
-            tl.store(p_ht + 2 * BK * V, b_h3, mask=m_s3)
-        if K > 3 * BK:
-            tl.store(p_ht + 3 * BK * V, b_h4, mask=m_s4)
+        store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_v, K, V, BK)
 
 
 def chunk_gated_delta_rule_fwd_h(

@@ -50,6 +50,12 @@ import triton.language as tl
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
+from fla.ops.utils.state_tiles import (
+    decay_state_tiles,
+    identity_state_tiles,
+    load_state_tiles,
+    store_state_tiles,
+)
 from fla.ops.utils.tiles import check_buffer, sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
@@ -282,38 +288,14 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_w, m_w, o_v, m_v = state_columns(i_w, BV, K, V, AUGMENTED)
-    # The state's j-th row tile is rows j·BK .. j·BK + BK of the K x W matrix.
+    # The state as row tiles of the K x W matrix (fla.ops.utils.state_tiles): a transition
+    # with the delta starts from [I | 0], every other pass from h0 or zeros.
     o_s = o_k[:, None] * W + o_w[None, :]
-    m_s1 = (o_k < K)[:, None] & m_w[None, :]
-    m_s2 = (BK + o_k < K)[:, None] & m_w[None, :]
-    m_s3 = (2 * BK + o_k < K)[:, None] & m_w[None, :]
-    m_s4 = (3 * BK + o_k < K)[:, None] & m_w[None, :]
-
-    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > BK:
-        b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > 2 * BK:
-        b_h3 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K > 3 * BK:
-        b_h4 = tl.zeros([BK, BV], dtype=tl.float32)
+    state = (i_p.to(tl.int64) * H + i_h) * (K * W)
+    b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_w, K, W, BK, BV,
+                                              USE_INITIAL_STATE and not AUGMENTED)
     if AUGMENTED:
-        # [I | 0]: ones where the state row equals the column.
-        b_h1 += (o_k[:, None] == o_w[None, :]).to(tl.float32)
-        if K > BK:
-            b_h2 += (BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
-        if K > 2 * BK:
-            b_h3 += (2 * BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
-        if K > 3 * BK:
-            b_h4 += (3 * BK + o_k[:, None] == o_w[None, :]).to(tl.float32)
-    elif USE_INITIAL_STATE:
-        p_h0 = h0 + (i_p.to(tl.int64) * H + i_h) * (K * W) + o_s
-        b_h1 += tl.load(p_h0, mask=m_s1, other=0.).to(tl.float32)
-        if K > BK:
-            b_h2 += tl.load(p_h0 + BK * W, mask=m_s2, other=0.).to(tl.float32)
-        if K > 2 * BK:
-            b_h3 += tl.load(p_h0 + 2 * BK * W, mask=m_s3, other=0.).to(tl.float32)
-        if K > 3 * BK:
-            b_h4 += tl.load(p_h0 + 3 * BK * W, mask=m_s4, other=0.).to(tl.float32)
+        b_h1, b_h2, b_h3, b_h4 = identity_state_tiles(b_h1, b_h2, b_h3, b_h4, o_k, o_w, K, BK)
 
     for_out: tl.constexpr = not TRANSITION and not STATES_ONLY
     form_qk: tl.constexpr = FORM_AQK and not TRANSITION
@@ -323,14 +305,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         m_t = (i_t * BT + o_t) < T
         p_qk = (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
         if STATES_ONLY:
-            p_h = h + ((boh + i_t) * H + i_h) * (K * W) + o_s
-            tl.store(p_h, b_h1.to(h.dtype.element_ty), mask=m_s1)
-            if K > BK:
-                tl.store(p_h + BK * W, b_h2.to(h.dtype.element_ty), mask=m_s2)
-            if K > 2 * BK:
-                tl.store(p_h + 2 * BK * W, b_h3.to(h.dtype.element_ty), mask=m_s3)
-            if K > 3 * BK:
-                tl.store(p_h + 3 * BK * W, b_h4.to(h.dtype.element_ty), mask=m_s4)
+            store_state_tiles(h, ((boh + i_t) * H + i_h) * (K * W), b_h1, b_h2, b_h3, b_h4,
+                              o_s, o_k, m_w, K, W, BK)
 
         # K S (and Q S for the output), one row tile of the state at a time.
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)
@@ -403,16 +379,10 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             last = tl.minimum((i_t + 1) * BT, T) - 1
             b_g_last = tl.load(g_cum + (bos + last) * H + i_h).to(tl.float32)
             b_vn = b_vn * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
-            b_decay = tl.exp(b_g_last)
             if TRANSITION:
                 b_log_decay += b_g_last
-            b_h1 *= b_decay
-            if K > BK:
-                b_h2 *= b_decay
-            if K > 2 * BK:
-                b_h3 *= b_decay
-            if K > 3 * BK:
-                b_h4 *= b_decay
+            b_h1, b_h2, b_h3, b_h4 = decay_state_tiles(b_h1, b_h2, b_h3, b_h4,
+                                                       tl.exp(b_g_last), K, BK)
         b_vn = b_vn.to(k.dtype.element_ty)
 
         # S += Kᵀ Vn. Where this step loaded K's tiles already (for K S or Q Kᵀ), their
@@ -444,14 +414,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                 b_h4 = tl.dot(b_kt, b_vn, b_h4, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
-        p_ht = ht + (i_p.to(tl.int64) * H + i_h) * (K * W) + o_s
-        tl.store(p_ht, b_h1, mask=m_s1)
-        if K > BK:
-            tl.store(p_ht + BK * W, b_h2, mask=m_s2)
-        if K > 2 * BK:
-            tl.store(p_ht + 2 * BK * W, b_h3, mask=m_s3)
-        if K > 3 * BK:
-            tl.store(p_ht + 3 * BK * W, b_h4, mask=m_s4)
+        store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W, BK)
     if TRANSITION and not DELTA:
         if i_w == 0:
             tl.store(seg_decay + i_p * H + i_h, b_log_decay)
