@@ -23,7 +23,7 @@ from fla.utils.tuning import Config
 
 __all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
            "bwd_default_config", "bwd_config_space", "sequence_bounds", "state_tile",
-           "load_state", "token_row", "load_token_row"]
+           "token_row", "load_token_row"]
 
 
 def block_k(K: int) -> int:
@@ -127,12 +127,3 @@ def state_tile(i_v, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     return (o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :],
             i_nh.to(tl.int64) * K * V)
 
-
-@triton.jit
-def load_state(x, state, o_s, m_s, BK: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
-    """The program's [BK, BV] float32 tile of ``x``'s state (an initial state, a final
-    state's gradient; :func:`state_tile`'s offsets), zeros unless ``LOAD``."""
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if LOAD:
-        b_s += tl.load(x + state + o_s, mask=m_s, other=0.).to(tl.float32)
-    return b_s

@@ -63,7 +63,6 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space,
     default_config as _default_config,
-    load_state,
     load_token_row,
     sequence_bounds as _sequence_bounds,
     state_tile,
@@ -71,6 +70,7 @@ from fla.ops.common.fused_recurrent_tiles import (
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
+from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.grid import cdiv
@@ -106,7 +106,7 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
 
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_s, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
 
     for i in range(0, length):
         t = bos + i
@@ -170,7 +170,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
         p_beta = beta + last * HV + i_hv
         p_db = dbeta + (last * HV + i_hv) * NV + i_v
 
-    b_d = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
+    b_d, _, _, _ = load_state_tiles(dht, state, o_s, o_k, m_v, K, V, BK, BV, USE_DHT)
     for _ in range(0, length):
         b_q = _unit(tl.load(p_q, mask=m_k, other=0.0).to(tl.float32), L2NORM) * scale
         b_k = _unit(tl.load(p_k, mask=m_k, other=0.0).to(tl.float32), L2NORM)
@@ -228,7 +228,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
     if USE_BETA:
         p_beta = beta + bos * HV + i_hv
 
-    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_s, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
     for _ in range(0, length):
         b_k = _unit(tl.load(p_k, mask=m_k, other=0.0).to(tl.float32), L2NORM)
         b_u = tl.load(p_u, mask=m_v, other=0.0).to(tl.float32)

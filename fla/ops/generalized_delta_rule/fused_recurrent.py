@@ -37,13 +37,13 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
     default_config as _default_config,
-    load_state,
     sequence_bounds as _sequence_bounds,
     state_tile,
 )
 from fla.ops.generalized_delta_rule.gate_grad import dplr_gate_grad
 from fla.ops.generalized_delta_rule.inputs import DPLRInputs, prepare_dplr_inputs
 from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
+from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.grid import cdiv
@@ -73,9 +73,9 @@ def fused_recurrent_dplr_fwd_kernel(
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    b_S = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_S, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
     for i in range(0, length):
-        p_k, p_v, _ = _token_offsets(bos + i, i_h, H, K, V, o_k, o_v, 1, 0)
+        p_k, p_v, _no_partials = _token_offsets(bos + i, i_h, H, K, V, o_k, o_v, 1, 0)
         b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -108,7 +108,7 @@ def fused_recurrent_dplr_bwd_kernel(
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
     # ---- reverse sweep: D from dht back to dh0
-    b_D = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
+    b_D, _, _, _ = load_state_tiles(dht, state, o_s, o_k, m_v, K, V, BK, BV, USE_DHT)
     for i in range(0, length):
         p_k, p_v, p_p = _token_offsets(bos + length - 1 - i, i_h, H, K, V, o_k, o_v, NV, i_v)
         b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
@@ -134,7 +134,7 @@ def fused_recurrent_dplr_bwd_kernel(
     tl.debug_barrier()
 
     # ---- forward sweep: rebuild S_t from h0
-    b_S = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_S, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
     for i in range(0, length):
         p_k, p_v, p_p = _token_offsets(bos + i, i_h, H, K, V, o_k, o_v, NV, i_v)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)

@@ -40,13 +40,13 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
     default_config as _default_config,
-    load_state,
     sequence_bounds as _sequence_bounds,
     state_tile,
     token_row,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
+from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
 from fla.utils.grid import cdiv
@@ -82,7 +82,7 @@ def fused_recurrent_gla_fwd_kernel(
     bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
-    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_s, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
     for i in range(0, length):
         t = bos + i
         b_q = tl.load(token_row(q, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
@@ -121,7 +121,7 @@ def fused_recurrent_gla_bwd_kernel(
     part = i_h * NV + i_v
 
     # ---- reverse sweep: the adjoint state D, from dht back to dh0
-    b_d = load_state(dht, state, o_s, m_s, BK, BV, USE_DHT)
+    b_d, _, _, _ = load_state_tiles(dht, state, o_s, o_k, m_v, K, V, BK, BV, USE_DHT)
     for i in range(0, length):
         t = bos + length - 1 - i
         b_q = tl.load(token_row(q, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
@@ -144,7 +144,7 @@ def fused_recurrent_gla_bwd_kernel(
     tl.debug_barrier()
 
     # ---- forward sweep: rebuild S_t from h0; dq, and o for the gv gradient
-    b_s = load_state(h0, state, o_s, m_s, BK, BV, USE_H0)
+    b_s, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
     for i in range(0, length):
         t = bos + i
         b_k = tl.load(token_row(k, t, H, i_h, K, o_k), mask=m_k, other=0.).to(tl.float32)
