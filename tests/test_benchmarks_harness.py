@@ -619,3 +619,31 @@ def test_config_isolation_refuses_a_bad_config_before_running_anything(monkeypat
         tool.main(["chunk_gla/8x2048x32x256", "--only", "x", "--config", "BV"])
     with pytest.raises(ValueError):
         tool.main(["chunk_gla/8x2048x32x256", "--where", "K"])
+
+
+# ------------------------------------------------------------------- norm_timeline
+def test_norm_timeline_stamps_the_ops_and_launches_in_order(monkeypatch):
+    """On the Triton path (the interpreter here) a step's stamps come in the order the
+    host reaches them, and the stamped ops and kernels are put back afterwards."""
+    from benchmarks import norm_timeline
+    from fla.modules import RMSNorm
+    import fla.modules.layernorm as ln
+    import fla.modules.layernorm_kernels as lk
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel)
+    norm = RMSNorm(32)
+    x = torch.randn(4, 32, requires_grad=True)
+    dy = torch.randn(4, 32)
+    median, stamps = norm_timeline.timeline(lambda: (norm(x), dy), [x, norm.weight],
+                                            steps=2, device="cpu", warmup=1, flush_mb=1)
+    assert median is None   # no do_bench off the GPU
+    order = ["forward op >", "forward kernel launch >", "forward kernel launch <",
+             "forward op <", "forward returned", "backward op >",
+             "backward kernel launch >", "backward kernel launch <", "backward op <",
+             "backward returned"]
+    assert list(stamps) == order
+    mids = [stamps[name][0] for name in order]
+    assert mids == sorted(mids) and mids[0] > 0
+    assert (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel) == before
+    assert x.grad is not None and torch.isfinite(x.grad).all()
