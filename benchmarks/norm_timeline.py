@@ -9,9 +9,10 @@ stamps, with ``time.perf_counter_ns``, the moments the host reaches: the forward
 backward ops' entries and exits, each kernel launch's start and end, the forward's and
 the backward's return (medians over ``--steps`` steps, µs from the step's start, with
 the 10th and 90th percentiles). Variants: ours, ours with autograd's multithreading off
-(the backward on the calling thread: a user's setting, shown for the hand-off's cost),
-PyTorch's ``rms_norm``, and a do-nothing Python autograd Function (the engine's round
-trip alone). The kernels' own time is ``benchmarks.profile_case RMSNorm/16384x4096``'s.
+(the backward on the calling thread: a user's setting, shown for the hand-off's cost)
+and PyTorch's ``rms_norm``. The kernels' own time is ``benchmarks.profile_case
+RMSNorm/16384x4096``'s; how fast the host is, ``benchmarks.host_overhead``'s autograd
+round trip of a do-nothing Function.
 
 Without a GPU it runs the PyTorch path on the CPU (no stamps inside the ops, no
 do_bench): a smoke test of the tool only.
@@ -123,29 +124,6 @@ def _report(label: str, median_us: float | None, stamps: dict) -> None:
         print(f"   {name:24s} {mid:8.1f} µs  (p10 {low:.1f}, p90 {high:.1f})")
 
 
-class _Nothing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy
-
-
-def round_trip_us(device: str, calls: int = 500) -> float:
-    """Median host time of a do-nothing autograd Function's forward + backward."""
-    x = torch.randn(16, 16, device=device, requires_grad=True)
-    dy = torch.ones(16, 16, device=device)
-    times = []
-    for i in range(calls + 50):
-        start = _now()
-        torch.autograd.backward(_Nothing.apply(x), dy)
-        if i >= 50:
-            times.append((_now() - start) / 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -177,11 +155,6 @@ def main(argv=None) -> int:
             _report(label, *timeline(fn, leaves, args.steps, device))
         finally:
             torch.autograd.set_multithreading_enabled(True)
-    for threaded in (True, False):
-        torch.autograd.set_multithreading_enabled(threaded)
-        print(f"== do-nothing autograd Function, multithreading {'on' if threaded else 'off'}: "
-              f"{round_trip_us(device):.1f} µs a forward + backward")
-    torch.autograd.set_multithreading_enabled(True)
     return 0
 
 
