@@ -2,7 +2,7 @@
 
     python scripts/compile_check.py [--arch 90] [--shape 1x256x4x128] [--dtype bf16]
                                     [--configs default|all] [--resources]
-                                    [--only NAME[,NAME]] [--keep-cache]
+                                    [--only NAME[,NAME]] [--keep-cache] [--varlen]
                                     [--ops gated_delta_rule,simple_gla]
 
 Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forward +
@@ -23,6 +23,8 @@ at a new shape in ≤ 10 s) is mostly compile time. This checks both without a G
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 import re
 import subprocess
@@ -221,6 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1,
                    help="compile in this many threads once every launch is recorded (does "
                         "Triton's compiler run in parallel within one process?)")
+    p.add_argument("--varlen", action="store_true",
+                   help="the B sequences packed into one row with uneven lengths "
+                        "(cu_seqlens), for the kernels' IS_VARLEN variants")
     p.add_argument("--ops", default="gated_delta_rule",
                    help="comma-separated families: gated_delta_rule, simple_gla, dplr, "
                         "gla, rwkv6")
@@ -254,45 +259,53 @@ def main(argv=None) -> int:
     if args.split:
         import fla.ops.common.chunk_fwd_inter as inter
         inter.segment_chunks_for = lambda *args: 1
-    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.shape} {args.dtype}",
-          flush=True)
+    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.shape} {args.dtype}"
+          f"{' varlen' if args.varlen else ''}", flush=True)
+    N = B  # sequences
+    packed = {}
+    if args.varlen:  # B sequences of uneven lengths (T -+ 13) in one row of B·T tokens
+        lengths = [T + (13 if i % 2 else -13) for i in range(N - 1)]
+        lengths.append(N * T - sum(lengths))
+        packed["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)])
+        B, T = 1, N * T
     t0 = time.perf_counter()
     for family in args.ops.split(","):
         for op in families[family]:
+            call = functools.partial(op, **packed)
             q, k, v = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             g = torch.rand(B, T, H).neg().requires_grad_()
-            h0 = torch.randn(B, H, D, D, requires_grad=True)
+            h0 = torch.randn(N, H, D, D, requires_grad=True)
             if family == "dplr":  # gk, a, b: [B, T, H, K] like q
                 gk = torch.rand(B, T, H, D).neg().requires_grad_()
                 a, b = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
                         for _ in range(2))
-                o, ht = op(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
+                o, ht = call(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
             elif family in ("gla", "rwkv6"):  # vector gate [B, T, H, K] like q
                 gk = torch.rand(B, T, H, D).neg().requires_grad_()
                 if family == "rwkv6":
                     u = torch.randn(H, D, dtype=dtype, requires_grad=True)
-                    o, ht = op(q, k, v, gk, u, initial_state=h0, output_final_state=True)
+                    o, ht = call(q, k, v, gk, u, initial_state=h0, output_final_state=True)
                 elif op is chunk_gla:
-                    o, ht = op(q, k, v, gk, initial_state=h0, output_final_state=True)
+                    o, ht = call(q, k, v, gk, initial_state=h0, output_final_state=True)
                 else:  # the recurrent kernels with both gates
                     gv = torch.rand(B, T, H, D).neg().requires_grad_()
-                    o, ht = op(q, k, v, gk, gv, initial_state=h0, output_final_state=True)
+                    o, ht = call(q, k, v, gk, gv, initial_state=h0, output_final_state=True)
             elif family == "gated_delta_rule":
                 beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
-                o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                o, ht = call(q, k, v, g, beta, initial_state=h0, output_final_state=True)
                 if op is chunk_gated_delta_rule:  # the layer's gate kernels, fwd + bwd
                     ab = torch.randn(B, T, 2 * H, dtype=dtype, requires_grad=True)
                     a_log, dt_bias = (torch.randn(H, requires_grad=True) for _ in range(2))
                     g_gate, beta_gate = gated_delta_rule_gate(ab, a_log, dt_bias)
                     (g_gate.sum() + beta_gate.float().sum()).backward()
             else:
-                o, ht = op(q, k, v, g, initial_state=h0, output_final_state=True)
+                o, ht = call(q, k, v, g, initial_state=h0, output_final_state=True)
                 with torch.no_grad():  # simple GLA's inference forward takes other kernels
-                    op(q, k, v, g, initial_state=h0, output_final_state=True)
+                    call(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()
             if op in (chunk_gla, chunk_rwkv6):
-                plain_gla_backward(q, k, v, gk, u if family == "rwkv6" else None, h0)
+                plain_gla_backward(q, k, v, gk, u if family == "rwkv6" else None, h0[:B])
     if compiler.jobs:
         from concurrent.futures import ThreadPoolExecutor
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_torch import chunk_gated_delta_rule_fwd_h_torch
-from fla.ops.utils.index import varlen_chunk_offsets
+from fla.ops.utils.index import first_chunk_row, locate_sequence, varlen_chunk_offsets
 from fla.ops.utils.state_tiles import decay_state_tiles, load_state_tiles, store_state_tiles
 from fla.ops.utils.tiles import check_chunk_size, sixteen_bit, tile_width
 from fla.utils.backend import Backend, select_backend
@@ -109,15 +109,9 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     compiler drop the tiles a small K does not need.
     """
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        NT = tl.cdiv(T, BT)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        NT = tl.cdiv(T, BT)
-        boh = i_n.to(tl.int64) * NT
+    bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
+    NT = tl.cdiv(T, BT)
+    boh = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
-from fla.ops.utils.index import prepare_chunk_offsets
+from fla.ops.utils.index import first_chunk_row, locate_sequence, prepare_chunk_offsets
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
@@ -98,13 +98,8 @@ def chunk_dplr_fwd_h_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        first_chunk = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
+    first_chunk = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)

@@ -49,7 +49,12 @@ import triton.language as tl
 
 from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.utils.chunk_rows import load_chunk_rows
-from fla.ops.utils.index import chunk_counts, varlen_chunk_offsets
+from fla.ops.utils.index import (
+    chunk_counts,
+    first_chunk_row,
+    locate_sequence,
+    varlen_chunk_offsets,
+)
 from fla.ops.utils.state_tiles import (
     decay_state_tiles,
     identity_state_tiles,
@@ -200,11 +205,7 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
     else:
         i_n = i_p
         first = i_p * 0
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
+    bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     if not SPLIT:
         end = tl.cdiv(T, BT)
     return i_n, bos, T, first, end
@@ -227,17 +228,6 @@ def state_columns(i_w, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         o_v = o_w
         m_v = m_w
     return o_w, m_w, o_v, m_v
-
-
-@triton.jit
-def first_chunk_row(i_n, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Row of sequence n's first chunk in a per-chunk state tensor ``[B, NT, ...]`` (or
-    ``[1, NT_total, ...]`` from ``chunk_offsets`` with packed sequences), int64."""
-    if IS_VARLEN:
-        row = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        row = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    return row
 
 
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",

@@ -68,8 +68,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.common import chunk_fwd_inter
-from fla.ops.common.chunk_fwd_inter import first_chunk_row, segment_of_program
-from fla.ops.utils.index import locate_chunk
+from fla.ops.common.chunk_fwd_inter import segment_of_program
+from fla.ops.utils.index import first_chunk_row, locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices

@@ -220,6 +220,31 @@ def varlen_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int,
 
 
 @triton.jit
+def locate_sequence(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
+    """Inside a kernel: sequence ``i_n``'s first token, an int64 row of the packed token
+    axis, and its length (int32): from ``cu_seqlens`` under varlen, else the n-th of the
+    B rows of length T."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+    return bos, T
+
+
+@triton.jit
+def first_chunk_row(i_n, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Inside a kernel: the row of sequence n's first chunk in a per-chunk tensor ``[B,
+    NT, ...]`` (``[1, NT_total, ...]`` from ``chunk_offsets`` with packed sequences),
+    int64; T is the sequence's length."""
+    if IS_VARLEN:
+        row = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        row = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return row
+
+
+@triton.jit
 def locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     """Inside a kernel with one program per chunk: map the grid's chunk index ``i_t`` and
     batch index ``i_b`` to (the sequence's index n, the chunk's index within it, the
@@ -232,11 +257,9 @@ def locate_sequence_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         i_n = i_b
-        bos = i_b.to(tl.int64) * T
+    bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     return i_n, i_t, bos, T
 
 
