@@ -5,7 +5,6 @@ Gates are log-sigmoids of scaled normals clamped at −5 a step: over a 64-token
 cumulative gate reaches −320, where exp(γ) and exp(−γ) formed apart would overflow."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fla.ops.gla import chunk_gla, fused_recurrent_gla, naive_recurrent_gla
 from fla.ops.simple_gla import chunk_simple_gla
@@ -20,16 +19,10 @@ from tests.helpers import (
     uneven_lengths,
 )
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, run
+from tests.ops.vector_gate_cases import cast_leaves, compare_with_loop, log_sigmoid_gate
 
 OPS = {"chunk": chunk_gla, "fused_recurrent": fused_recurrent_gla}
 FP32_NAMES = ("initial_state", "g", "gk", "gv")   # gates and states stay float32
-
-
-def log_sigmoid_gate(shape, gen, low=-5.0, spread=3.0):
-    """log σ(spread · x), x ~ N(0, 1), clamped at ``low``: many channels near 0, many
-    at the bottom of the range."""
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * spread
-    return F.logsigmoid(x).clamp(min=low)
 
 
 def make_inputs(gen, *, B, T, H, K, V, N=None, gv=False, h0=True, low=-5.0):
@@ -48,9 +41,7 @@ def make_inputs(gen, *, B, T, H, K, V, N=None, gv=False, h0=True, low=-5.0):
 
 
 def leaves_of(inputs, dtype, device):
-    return {n: None if x is None else
-            x.to(torch.float32 if n in FP32_NAMES else dtype).to(device).detach()
-            .requires_grad_() for n, x in inputs.items()}
+    return cast_leaves(inputs, dtype, device, FP32_NAMES)
 
 
 def as_fused(fn):
@@ -66,28 +57,8 @@ def naive(g=None, **kw):
 
 def compare(inputs, dtype, device, *, fn, gen, ref_fn=naive, tol=None, **kwargs):
     """fn and the float64 loop on the same rounded inputs: o, final state, all gradients."""
-    B, T, H, V = inputs["v"].shape
-    K = inputs["q"].shape[-1]
-    cu = kwargs.get("cu_seqlens")
-    N = B if cu is None else cu.numel() - 1
-    do = output_grad((B, T, H, V), gen, dtype)
-    dht = randn((N, H, K, V), gen, torch.float64)
-    ref_kwargs = dict(kwargs)
-    if cu is not None:
-        ref_kwargs["cu_seqlens"] = cu.cpu()
-    ref_leaves = {n: None if x is None else x.detach().to(torch.float64).requires_grad_()
-                  for n, x in leaves_of(inputs, dtype, "cpu").items()}
-    o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
-    leaves = leaves_of(inputs, dtype, device)
-    o, ht, grads = run(fn, leaves, do, dht, **kwargs)
-    tol = TOLERANCE[dtype] if tol is None else tol
-    assert o.dtype == dtype and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
-    assert_rel_close("o", o, o_ref, tol)
-    assert_rel_close("final_state", ht, ht_ref, tol)
-    for name, leaf in leaves.items():
-        if leaf is not None:
-            assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
-            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+    compare_with_loop(inputs, dtype, device, fn=fn, ref_fn=ref_fn, gen=gen,
+                      fp32_names=FP32_NAMES, tol=tol, **kwargs)
 
 
 def op(mode):

@@ -7,17 +7,15 @@ import torch
 
 from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6, naive_recurrent_rwkv6
 from tests.helpers import (
-    TOLERANCE,
     assert_rel_close,
     cu_seqlens_of,
     generator,
     odd_length,
-    output_grad,
     randn,
     uneven_lengths,
 )
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, run
-from tests.ops.test_gla import log_sigmoid_gate
+from tests.ops.vector_gate_cases import cast_leaves, compare_with_loop, log_sigmoid_gate
 
 OPS = {"chunk": chunk_rwkv6, "fused_recurrent": fused_recurrent_rwkv6}
 FP32_NAMES = ("initial_state", "w")
@@ -36,35 +34,13 @@ def make_inputs(gen, *, B, T, H, K, V, N=None, h0=True):
 
 
 def leaves_of(inputs, dtype, device):
-    return {n: None if x is None else
-            x.to(torch.float32 if n in FP32_NAMES else dtype).to(device).detach()
-            .requires_grad_() for n, x in inputs.items()}
+    return cast_leaves(inputs, dtype, device, FP32_NAMES)
 
 
 def compare(inputs, dtype, device, *, fn, gen, ref_fn=naive_recurrent_rwkv6, tol=None,
             **kwargs):
-    B, T, H, V = inputs["v"].shape
-    K = inputs["r"].shape[-1]
-    cu = kwargs.get("cu_seqlens")
-    N = B if cu is None else cu.numel() - 1
-    do = output_grad((B, T, H, V), gen, dtype)
-    dht = randn((N, H, K, V), gen, torch.float64)
-    ref_kwargs = dict(kwargs)
-    if cu is not None:
-        ref_kwargs["cu_seqlens"] = cu.cpu()
-    ref_leaves = {n: None if x is None else x.detach().to(torch.float64).requires_grad_()
-                  for n, x in leaves_of(inputs, dtype, "cpu").items()}
-    o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
-    leaves = leaves_of(inputs, dtype, device)
-    o, ht, grads = run(fn, leaves, do, dht, **kwargs)
-    tol = TOLERANCE[dtype] if tol is None else tol
-    assert o.dtype == dtype and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
-    assert_rel_close("o", o, o_ref, tol)
-    assert_rel_close("final_state", ht, ht_ref, tol)
-    for name, leaf in leaves.items():
-        if leaf is not None:
-            assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
-            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+    compare_with_loop(inputs, dtype, device, fn=fn, ref_fn=ref_fn, gen=gen,
+                      fp32_names=FP32_NAMES, tol=tol, **kwargs)
 
 
 @pytest.mark.interpret

@@ -18,7 +18,6 @@ from fla.ops.simple_gla import (
 from tests.helpers import (
     TOLERANCE,
     assert_rel_close,
-    assert_sum_close,
     counted_segment_combines,
     cu_seqlens_of,
     generator,
@@ -31,6 +30,7 @@ from tests.helpers import (
     uneven_lengths,
 )
 from tests.ops.gated_delta_cases import INTERPRETER_DTYPES, cast, run
+from tests.ops.vector_gate_cases import compare_with_loop
 
 OPS = {"chunk": chunk_simple_gla, "fused_recurrent": fused_recurrent_simple_gla}
 
@@ -51,41 +51,14 @@ def make_inputs(gen, *, B, T, H, HV, K, V, N=None, gate=True, gamma=False, h0=Tr
 
 def compare(inputs, dtype, device, *, fn, ref_fn=naive_recurrent_simple_gla, gen, tol=None,
             **kwargs):
-    """fn and the float64 loop on the same rounded inputs: o, final state, all gradients."""
-    B, T, HV, V = inputs["v"].shape
-    K = inputs["q"].shape[-1]
-    cu = kwargs.get("cu_seqlens")
-    N = B if cu is None else cu.numel() - 1
-    do = output_grad((B, T, HV, V), gen, dtype)
-    dht = randn((N, HV, K, V), gen, torch.float64)
-    ref_kwargs = dict(kwargs)
-    if cu is not None:
-        ref_kwargs["cu_seqlens"] = cu.cpu()
-    ref_leaves = {n: None if x is None else
-                  x.to(torch.float32 if n in ("initial_state", "g", "g_gamma") else dtype)
-                  .to(torch.float64).to(reference_device(device)).detach().requires_grad_()
-                  for n, x in inputs.items()}
-    o_ref, ht_ref, g_ref = run(ref_fn, ref_leaves, do, dht, **ref_kwargs)
-    leaves = {}
-    for name, x in inputs.items():
-        # Gates and states in float32 (what layers pass), the rest in the tested dtype.
-        target = torch.float32 if name in ("initial_state", "g", "g_gamma") else dtype
-        leaves[name] = None if x is None else x.to(target).to(device).detach().requires_grad_()
-    o, ht, grads = run(fn, leaves, do, dht, **kwargs)
-    tol = TOLERANCE[dtype] if tol is None else tol
-    assert o.dtype == dtype and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
-    assert_rel_close("o", o, o_ref, tol)
-    assert_rel_close("final_state", ht, ht_ref, tol)
-    for name, leaf in leaves.items():
-        if leaf is not None:
-            assert grads[name] is not None and grads[name].dtype == leaf.dtype, name
-            if name == "g_gamma" and g_ref.get("g") is not None:
-                # g and g_gamma enter as one decay, so dg_gamma[h] = Σ_t dg[t, h]: a sum
-                # whose terms cancel, its relative error that of the sum (2.4e-4 seen
-                # in fp32 at seed 59350227). Bound it by the size of the terms.
-                assert_sum_close("dg_gamma", grads[name], g_ref[name], g_ref["g"], tol)
-                continue
-            assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
+    """fn and the float64 loop on the same rounded inputs: o, final state, all gradients.
+    Gates and states in float32 (what layers pass), the rest in the tested dtype. g and
+    g_gamma enter as one decay, so dg_gamma[h] = Σ_t dg[t, h]: a sum whose terms cancel,
+    its relative error that of the sum (2.4e-4 seen in fp32 at seed 59350227), bounded
+    by the size of the terms."""
+    compare_with_loop(inputs, dtype, device, fn=fn, ref_fn=ref_fn, gen=gen,
+                      fp32_names=("initial_state", "g", "g_gamma"), tol=tol,
+                      ref_device=reference_device(device), sums={"g_gamma": "g"}, **kwargs)
 
 
 CASES = {
