@@ -17,6 +17,7 @@ import torch
 from fla.ops.common.chunk_delta_h import (
     chunk_gated_delta_rule_fwd_h,
     chunk_gated_delta_rule_fwd_h_kernel,
+    row_blocks,
 )
 from fla.ops.common.chunk_o import chunk_fwd_o, chunk_fwd_o_kernel
 from fla.ops.common.chunk_scaled_dot_kkt import (
@@ -35,7 +36,8 @@ from tests.helpers import (
     uneven_lengths,
     unit_interval,
 )
-from tests.ops.config_sweep import sweep_configs
+from fla.utils.tuning import Config
+from tests.ops.config_sweep import force_config, sweep_configs
 
 HAS_CUDA = torch.cuda.is_available()
 F64 = torch.float64
@@ -302,6 +304,32 @@ def test_fwd_h(device, seed, dtype, case, gated):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fwd_h_without_w_in_row_blocks(device, seed, monkeypatch, dtype, varlen):
+    """Without W the state's rows evolve independently and the pass may split them over
+    programs (KH < K): each row block gives the float64 states, h0 / ht and packed
+    sequences included, and Vn = U written once."""
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=110) if varlen else None
+    p = make_problem(gen, device, B=2, T=150, H=2, K=128, V=48, dtype=dtype,
+                     lengths=lengths)
+    k, v, gc = p["k"], p["v"], f32(p["gc"])
+    ref_h, _, ref_ht = ref_fwd_h(k, torch.zeros_like(k), v, gc, p["h0"], p["offsets"], 64)
+    assert row_blocks({"K": 128, "w": None}) == (128, 64)
+    assert row_blocks({"K": 128, "w": k}) == (128,)
+    for KH, BV in [(128, 32), (64, 32), (64, 64)]:
+        with monkeypatch.context() as m:
+            force_config(m, chunk_gated_delta_rule_fwd_h_kernel,
+                         Config(BV=BV, KH=KH, num_warps=4, num_stages=2))
+            h, v_new, ht = chunk_gated_delta_rule_fwd_h(
+                k, None, v, gc, p["h0"], True, cu_seqlens=p["cu_seqlens"])
+        assert_rel_close(f"h (KH {KH}, BV {BV})", h, ref_h, tol(dtype))
+        assert_rel_close(f"final_state (KH {KH}, BV {BV})", ht, ref_ht, tol(dtype))
+        assert torch.equal(v_new, v), f"v_new (KH {KH}, BV {BV})"
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fwd_h_options(device, seed, dtype):
     """No initial state, no final state, no v_new; and head_first inputs."""
@@ -485,6 +513,9 @@ def test_every_tuning_config(seed, monkeypatch, D):
         ("fwd_h", chunk_gated_delta_rule_fwd_h_kernel,
          lambda: chunk_gated_delta_rule_fwd_h(k, w, u, gc, p["h0"], True),
          ref_fwd_h(k, w, u, gc, p["h0"], None, 64), 1e-2),
+        ("fwd_h without W", chunk_gated_delta_rule_fwd_h_kernel,
+         lambda: chunk_gated_delta_rule_fwd_h(k, None, v, gc, p["h0"], True),
+         ref_fwd_h(k, torch.zeros_like(k), v, gc, p["h0"], None, 64), 1e-2),
         ("fwd_o", chunk_fwd_o_kernel,
          lambda: (chunk_fwd_o(q, k, vn, h, gc),),
          (ref_fwd_o(q, k, vn, h, gc, p["scale"], None, 64),), 1e-2),

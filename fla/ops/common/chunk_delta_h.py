@@ -63,31 +63,54 @@ def _default(args) -> Config:
     wide_without_w = K > 128 and args.get("w") is None and sixteen_bit(args)
     width = 64 if K <= 64 or (K <= 128 and few < 2) or wide_without_w else 32
     BV = tile_width(args["V"], width)
-    return Config(BV=BV, num_warps=4,
-                  num_stages=min((2, 3, 4)[few], max(_stage_counts(args, BV))))
+    KH = K
+    if ("w" in args and args["w"] is None and K in (128, 256) and few == 0
+            and sixteen_bit(args)):
+        # Without W on a full grid, half the rows a program (twice the programs; BV = 128
+        # at K = 256: a 128 x 128 block, the registers of 256 x 64). The pass writes h
+        # every chunk and is near its memory bound, so the gain is modest. H100, Triton
+        # 3.6, bf16, 2026-11-27 (each config forced, h bit-equal): 1x8192x96x128 0.324 ms
+        # against 0.336 at all rows, 4x4096x64x128 0.386 against 0.441, 8x2048x32x256
+        # 0.566 against 0.582. Thin grids keep all rows and deeper pipelines: on an H200
+        # 4x2048x16x128 0.041 ms at all rows and 4 stages against 0.045 at 64 rows,
+        # 1x8192x64x128 0.150 against 0.171.
+        KH, BV = K // 2, tile_width(args["V"], K // 2)
+    return Config(BV=BV, KH=KH, num_warps=4,
+                  num_stages=min((2, 3, 4)[few], max(_stage_counts(args, BV, KH))))
 
 
-def _stage_counts(args, BV: int) -> tuple[int, ...]:
-    # Each pipeline stage buffers one chunk of W and K (BT×K each) and of U (BT×BV) in
-    # shared memory: deeper pipelines than ~170 KB of stage buffers do not fit H100's
-    # 227 KB next to the layout-conversion scratch (K = 256 in bf16: 2 stages at most,
-    # in fp32 one).
+def _stage_counts(args, BV: int, KH: int) -> tuple[int, ...]:
+    # Each pipeline stage buffers one chunk of W and K (BT×KH each, KH the program's rows
+    # of K: all of them with W) and of U (BT×BV) in shared memory: deeper pipelines than
+    # ~170 KB of stage buffers do not fit H100's 227 KB next to the layout-conversion
+    # scratch (K = 256 in bf16: 2 stages at most, in fp32 one).
     k = args.get("k")
     size = k.element_size() if isinstance(k, torch.Tensor) else 2
-    per_stage = args.get("BT", 64) * (2 * args["K"] + BV) * size
+    per_stage = args.get("BT", 64) * (2 * KH + BV) * size
     return tuple(s for s in (1, 2, 3, 4) if s == 1 or s * per_stage <= 170 * 1024)
+
+
+def row_blocks(args) -> tuple[int, ...]:
+    """The state rows a program may hold (``KH``): all K, and without W, whose rows
+    then evolve independently, also blocks of 128 and 64 rows dividing K (more
+    programs with smaller states: a shorter chain of work a chunk)."""
+    K = args["K"]
+    if "w" not in args or args["w"] is not None:
+        return (K,)
+    return (K,) + tuple(r for r in (128, 64) if r < K and K % r == 0)
 
 
 def _space(args) -> list[Config]:
     # Triton 3.3.1 aborts building 8 warps above K = 128, and with W at K = 128 too (H100
     # config sweep, 2026-11-26; so with W none at any K); without W up to K = 128 it
     # built and ran all of them.
-    warps = warp_choices(stmatrix_prone=args["K"] > 128 or args.get("w") is not None)
     configs = []
-    for bv in (32, 64):
-        BV = tile_width(args["V"], bv)
-        configs += [Config(BV=BV, num_warps=w, num_stages=s)
-                    for s in _stage_counts(args, BV) for w in warps]
+    for KH in row_blocks(args):
+        warps = warp_choices(stmatrix_prone=KH > 128 or args.get("w") is not None)
+        for bv in (32, 64, 128) if KH < args["K"] else (32, 64):
+            BV = tile_width(args["V"], bv)
+            configs += [Config(BV=BV, KH=KH, num_warps=w, num_stages=s)
+                        for s in _stage_counts(args, BV, KH) for w in warps]
     return list(dict.fromkeys(configs))
 
 
@@ -99,16 +122,30 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     SAVE_NEW_VALUE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FEW_PROGRAMS: tl.constexpr = 0,
+    FEW_PROGRAMS: tl.constexpr = 0, KH: tl.constexpr = 0,
 ):
-    """One program per (V tile, head, sequence), looping over the sequence's chunks.
+    """One program per (K rows, V tile, head, sequence), looping over the sequence's chunks.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
 
-    The K×BV state is held as up to four BK×BV fp32 accumulators (K ≤ 4·BK = 256): one
-    2-D tile per 64 rows keeps every ``tl.dot`` at a 64-wide reduction and lets the
-    compiler drop the tiles a small K does not need.
+    The program's KH×BV block of the state (KH = K, or without W a divisor of K: the
+    state's rows then evolve independently, so programs can split them) is held as up
+    to four BK×BV fp32 accumulators (KH ≤ 4·BK = 256): one 2-D tile per 64 rows keeps
+    every ``tl.dot`` at a 64-wide reduction and lets the compiler drop the tiles a small
+    K does not need. The grid's first axis runs over V tiles, then K blocks.
     """
-    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tl.static_assert(KH == K or (not USE_W and K % KH == 0),
+                     "rows split over programs only without W, in whole blocks")
+    if KH < K:
+        NV: tl.constexpr = (V + BV - 1) // BV
+        i_kv = tl.program_id(0)
+        i_k, i_v = i_kv // NV, i_kv % NV
+        # This program's rows of K, S and the states: shift every base to them.
+        k += i_k * KH
+        row_shift = i_k * KH * V
+    else:
+        i_k, i_v = 0, tl.program_id(0)
+        row_shift = 0
+    i_h, i_n = tl.program_id(1), tl.program_id(2)
     bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     boh = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
@@ -118,9 +155,9 @@ def chunk_gated_delta_rule_fwd_h_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     # The state as row tiles of the K x V matrix (fla.ops.utils.state_tiles).
-    o_s = o_k[:, None] * V + o_v[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :] + row_shift
     state = (i_n.to(tl.int64) * H + i_h) * (K * V)
-    b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV,
+    b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_v, KH, V, BK, BV,
                                               USE_INITIAL_STATE)
 
     for i_t in range(NT):
@@ -129,7 +166,7 @@ def chunk_gated_delta_rule_fwd_h_kernel(
 
         # h[chunk] = the state entering it.
         store_state_tiles(h, ((boh + i_t) * H + i_h) * (K * V), b_h1, b_h2, b_h3, b_h4, o_s,
-                          o_k, m_v, K, V, BK)
+                          o_k, m_v, KH, V, BK)
 
         o_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -151,7 +188,8 @@ def chunk_gated_delta_rule_fwd_h_kernel(
                               other=0.)
                 b_v -= tl.dot(b_w, b_h4.to(w.dtype.element_ty), input_precision=DOT_PRECISION)
         if SAVE_NEW_VALUE:
-            tl.store(v_new + o_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
+            if i_k == 0:  # one program of the row blocks writes Vn
+                tl.store(v_new + o_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
 
         if USE_G:
             # Decay to the chunk's last valid token; every exponent is a difference
@@ -161,27 +199,27 @@ def chunk_gated_delta_rule_fwd_h_kernel(
             b_g = tl.load(g + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             b_v = b_v * tl.where(m_t, tl.exp(b_g_last - b_g), 0.)[:, None]
             b_h1, b_h2, b_h3, b_h4 = decay_state_tiles(b_h1, b_h2, b_h3, b_h4,
-                                                       tl.exp(b_g_last), K, BK)
+                                                       tl.exp(b_g_last), KH, BK)
         b_v = b_v.to(k.dtype.element_ty)
 
         # S += Kᵀ·Vn: K read transposed as [BK, BT] tiles straight from memory.
         p_k = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
-        b_k = tl.load(p_k, mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
+        b_k = tl.load(p_k, mask=(o_k < KH)[:, None] & m_t[None, :], other=0.)
         b_h1 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
-        if K > BK:
-            b_k = tl.load(p_k + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :], other=0.)
+        if KH > BK:
+            b_k = tl.load(p_k + BK, mask=(BK + o_k < KH)[:, None] & m_t[None, :], other=0.)
             b_h2 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
-        if K > 2 * BK:
-            b_k = tl.load(p_k + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
+        if KH > 2 * BK:
+            b_k = tl.load(p_k + 2 * BK, mask=(2 * BK + o_k < KH)[:, None] & m_t[None, :],
                           other=0.)
             b_h3 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
-        if K > 3 * BK:
-            b_k = tl.load(p_k + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
+        if KH > 3 * BK:
+            b_k = tl.load(p_k + 3 * BK, mask=(3 * BK + o_k < KH)[:, None] & m_t[None, :],
                           other=0.)
             b_h4 += tl.dot(b_k, b_v, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
-        store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_v, K, V, BK)
+        store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_v, KH, V, BK)
 
 
 def chunk_gated_delta_rule_fwd_h(
@@ -279,7 +317,8 @@ def chunk_gated_delta_rule_fwd_h(
         v_new = torch.empty_like(u) if save_new_value else None
         final_state = (torch.empty(N, H, K, V, dtype=torch.float32, device=k.device)
                        if output_final_state else None)
-        chunk_gated_delta_rule_fwd_h_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
+        chunk_gated_delta_rule_fwd_h_kernel[
+                lambda meta: (cdiv(V, meta["BV"]) * (K // meta["KH"]), H, N)](
             k=k, w=w, u=u, g=g, h=h, v_new=v_new, h0=h0, ht=final_state,
             cu_seqlens=cu_seqlens if offsets is not None else None,
             chunk_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=BT,
