@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from fla.ops.generalized_delta_rule.naive import naive_recurrent_dplr_delta_rule
-from tests.helpers import TOLERANCE, assert_rel_close, output_grad, randn
+from tests.helpers import TOLERANCE, assert_rel_close, randn
+from tests.ops.gated_delta_cases import cast, loss_weights, run  # noqa: F401 (run: re-export)
 
 INTERPRETER_DTYPES = [torch.float32, torch.float16]
 NAMES = ("q", "k", "v", "a", "b", "gk", "initial_state")
@@ -28,17 +29,8 @@ def make_inputs(gen, *, B, T, H, K, V, N=None, h0=True):
 
 
 def leaves(inputs, dtype, device):
-    return {n: None if x is None else
-            x.to(torch.float32 if n == "initial_state" else dtype).to(device).detach()
-            .requires_grad_() for n, x in inputs.items()}
-
-
-def run(fn, xs, do, dht, **kwargs):
-    """Forward, backward of <o, do> + <final_state, dht>; returns o, ht, grads."""
-    o, ht = fn(**xs, output_final_state=True, **kwargs)
-    loss = (o.double() * do.to(o.device)).sum() + (ht.double() * dht.to(ht.device)).sum()
-    loss.backward()
-    return o, ht, {n: None if x is None else x.grad for n, x in xs.items()}
+    """Leaves for one run: inputs rounded to ``dtype``, the state in float32."""
+    return cast(inputs, dtype, device)
 
 
 def reference(inputs, dtype, do, dht, device="cpu", **kwargs):
@@ -52,12 +44,7 @@ def reference(inputs, dtype, do, dht, device="cpu", **kwargs):
 
 
 def compare(inputs, dtype, device, *, fn, gen, tol=None, ref_device="cpu", **kwargs):
-    B, T, H, V = inputs["v"].shape
-    K = inputs["q"].shape[-1]
-    cu = kwargs.get("cu_seqlens")
-    N = B if cu is None else cu.numel() - 1
-    do = output_grad((B, T, H, V), gen, dtype)
-    dht = randn((N, H, K, V), gen, torch.float64)
+    do, dht = loss_weights(inputs, gen, dtype, kwargs.get("cu_seqlens"))
     o_ref, ht_ref, g_ref = reference(inputs, dtype, do, dht, ref_device, **kwargs)
     o, ht, grads = run(fn, leaves(inputs, dtype, device), do, dht, **kwargs)
     tol = TOLERANCE[dtype] if tol is None else tol

@@ -58,15 +58,23 @@ def run(fn, leaves, do, dht, **kwargs):
     return o, ht, grads
 
 
+def loss_weights(inputs, gen, dtype, cu_seqlens=None, use_dht=True):
+    """The weights of the loss <o, do> + <final_state, dht> for inputs with k ``[B, T, H,
+    K]`` and v ``[B, T, HV, V]``: do in ``dtype``, dht ``[N, HV, K, V]`` float64 (N = the
+    initial state's, else B or the packed sequences'), or None without ``use_dht``."""
+    B, T, HV, V = inputs["v"].shape
+    h0 = inputs.get("initial_state")
+    N = h0.shape[0] if h0 is not None else (
+        B if cu_seqlens is None else cu_seqlens.numel() - 1)
+    do = output_grad((B, T, HV, V), gen, dtype)
+    dht = randn((N, HV, inputs["k"].shape[-1], V), gen, torch.float64) if use_dht else None
+    return do, dht
+
+
 def compare(inputs, dtype, device, *, fn,
             ref_fn=naive_recurrent_gated_delta_rule, gen, use_dht=True, tol=None,
             state_dtype=torch.float32, **kwargs):
-    B, T, HV, V = inputs["v"].shape
-    N = inputs["initial_state"].shape[0] if inputs.get("initial_state") is not None else (
-        B if kwargs.get("cu_seqlens") is None else kwargs["cu_seqlens"].numel() - 1)
-    K = inputs["q"].shape[-1]
-    do = output_grad((B, T, HV, V), gen, dtype)
-    dht = randn((N, HV, K, V), gen, torch.float64) if use_dht else None
+    do, dht = loss_weights(inputs, gen, dtype, kwargs.get("cu_seqlens"), use_dht)
 
     l2 = kwargs.pop("use_qk_l2norm_in_kernel", False)
     ref_kwargs = dict(kwargs, use_qk_l2norm=l2)

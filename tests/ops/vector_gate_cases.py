@@ -4,8 +4,8 @@ state and every gradient."""
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import TOLERANCE, assert_rel_close, assert_sum_close, output_grad, randn
-from tests.ops.gated_delta_cases import run
+from tests.helpers import TOLERANCE, assert_rel_close, assert_sum_close
+from tests.ops.gated_delta_cases import loss_weights, run
 
 
 def log_sigmoid_gate(shape, gen, low=-5.0, spread=3.0):
@@ -31,12 +31,8 @@ def compare_with_loop(inputs, dtype, device, *, fn, ref_fn, gen, fp32_names, tol
     the loop). ``sums`` maps an input whose gradient is a sum of another's terms (simple
     GLA's per-head g_gamma: dg_gamma[h] = Σ_t dg[t, h]) to that input: its error is then
     bounded by the size of the terms, which may cancel."""
-    B, T, H, V = inputs["v"].shape
-    K = inputs["k"].shape[-1]
     cu = kwargs.get("cu_seqlens")
-    N = B if cu is None else cu.numel() - 1
-    do = output_grad((B, T, H, V), gen, dtype)
-    dht = randn((N, H, K, V), gen, torch.float64)
+    do, dht = loss_weights(inputs, gen, dtype, cu)
     ref_kwargs = dict(kwargs)
     if cu is not None:
         ref_kwargs["cu_seqlens"] = cu.cpu()

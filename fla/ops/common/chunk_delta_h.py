@@ -64,8 +64,7 @@ def _default(args) -> Config:
     width = 64 if K <= 64 or (K <= 128 and few < 2) or wide_without_w else 32
     BV = tile_width(args["V"], width)
     KH = K
-    if ("w" in args and args["w"] is None and K in (128, 256) and few == 0
-            and sixteen_bit(args)):
+    if len(row_blocks(args)) > 1 and K in (128, 256) and few == 0 and sixteen_bit(args):
         # Without W on a full grid, half the rows a program (twice the programs; BV = 128
         # at K = 256: a 128 x 128 block, the registers of 256 x 64). The pass writes h
         # every chunk and is near its memory bound, so the gain is modest. H100, Triton
