@@ -67,18 +67,19 @@ MIN_DOT_TILE = 32
 # forward pass's K = 256 output pass at 8 warps (chunk_gated_delta_rule_fwd_inter_kernel,
 # 2026-11-27: ConvertTritonGPUToLLVM fails). On the GPU (H100
 # config sweeps) also fwd_h with W at K = 128 and bwd_dhu at K = 64 and 128. 3.6 and 3.9
-# compile all of them (their tuning spaces keep 8 warps only there). 3.4.0 and 3.5.1
-# build them offline too (sm_90, 2026-11-26) but have not run them on a GPU: treated as
-# 3.3.
-# (3.5.1 on an H200, 2026-11-27, with this fact forced on: the backward stages' sweeps at
-# K = 128 and 256, the forward stages' at 128 and 256 and the fused forward pass's at 64,
-# 128 and 256 passed; not yet taken as evidence enough to lift the rule there.)
-WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 6)
+# compile and run all of them. 3.4.0 and 3.5.1 build them offline (sm_90, 2026-11-26) and,
+# with this fact forced on, passed every GPU config sweep that holds these kernels: the
+# backward stages' at K = 128 and 256, the forward stages' at 128 and 256, the fused
+# forward pass's at 64, 128 and 256 and GLA's at 128 (3.5.1 on an H200, 3.4.0 on an
+# H100, 2026-11-27), and GLA's at 256 (3.4.0; on 3.5.1 one tile of it failed, the one
+# TRANSPOSED_GK_128X128_OK below governs). 3.3 alone keeps the rule.
+WIDE_STMATRIX_8_WARPS_OK: bool = TRITON_VERSION >= (3, 4)
 
 # Triton 3.5.1 (H200, 2026-11-27, GLA's config sweep at K = V = 256) computes the
 # transposed vector-gate state pass (chunk_gk_fwd_h_kernel) at 128 rows x 128 columns
 # with 8 warps 2.2-2.6e-2 off the float64 loop, beyond the 2e-2 every other config of the
-# space met there; 3.3.1, 3.6.0 and 3.9.0 (H100) pass the same sweep with it. On 3.5 the
+# space met there; 3.3.1, 3.4.0, 3.6.0, 3.7.0, 3.8.0 and 3.9.0 (H100) pass the same sweep
+# with it (GLA's and RWKV6's on 3.7.0 and 3.8.0). On 3.5 the
 # space leaves that tile out.
 TRANSPOSED_GK_128X128_OK: bool = not ((3, 5) <= TRITON_VERSION < (3, 6))
 

@@ -6,8 +6,9 @@ The fused recurrent kernels of the gated delta rule (and simple GLA through it),
 the whole sequence, BK covering all of K (so ``Sᵀx`` is complete inside one program and V
 tiles never talk to each other). Their forwards choose BV and warps by the same rule,
 their backwards fix BV in the launcher (it sets the layout of the partial sums over V
-tiles) and tune warps only, and every kernel finds its sequence's tokens, its state tile
-and each token's rows the same way. Those rules and building blocks live here once, with
+tiles) and tune warps only, and every kernel finds its state tile and each token's rows
+the same way (its sequence's tokens through ``fla.ops.utils.index.locate_sequence``, as
+the chunked kernels do). Those rules and building blocks live here once, with
 the measurements behind them; each family's module imports them (the rules go to
 ``@tuned``).
 """
@@ -22,7 +23,7 @@ from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
 __all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
-           "bwd_default_config", "bwd_config_space", "sequence_bounds", "state_tile",
+           "bwd_default_config", "bwd_config_space", "state_tile",
            "token_row", "load_token_row"]
 
 
@@ -80,18 +81,6 @@ def bwd_config_space(args) -> list[Config]:
     tile = args["BK"] * args["BV"]
     return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
             if tile // (32 * w) >= 4]
-
-
-@triton.jit
-def sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    """First token (int64, in the packed token axis) and length of sequence ``i_n``."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-        length = T
-    return bos, length
 
 
 @triton.jit

@@ -64,12 +64,12 @@ from fla.ops.common.fused_recurrent_tiles import (
     config_space,
     default_config as _default_config,
     load_token_row,
-    sequence_bounds as _sequence_bounds,
     state_tile,
     token_row,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.l2norm import L2NORM_EPS
+from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
@@ -102,7 +102,7 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
 
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
@@ -148,7 +148,7 @@ def fused_recurrent_gated_delta_rule_bwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
 
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 

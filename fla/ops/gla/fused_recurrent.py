@@ -40,12 +40,12 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
     default_config as _default_config,
-    sequence_bounds as _sequence_bounds,
     state_tile,
     token_row,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
+from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
@@ -79,7 +79,7 @@ def fused_recurrent_gla_fwd_kernel(
     """Grid ``(NV, N·H)``; q, k, gk ``[B, T, H, K]``, v, gv, o ``[B, T, H, V]``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
 
     b_s, _, _, _ = load_state_tiles(h0, state, o_s, o_k, m_v, K, V, BK, BV, USE_H0)
@@ -115,7 +115,7 @@ def fused_recurrent_gla_bwd_kernel(
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, length = _sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, length = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
     # Partial sums over V tiles: row h·NV + i_v of the H·NV rows a token.
     part = i_h * NV + i_v
