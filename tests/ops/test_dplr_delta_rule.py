@@ -157,6 +157,24 @@ def test_every_tuning_config_of_the_chunk_kernels(D, monkeypatch):
     from fla.ops.common import (chunk_dplr_bwd_dhu, chunk_dplr_bwd_intra,
                                 chunk_dplr_bwd_local, chunk_dplr_fwd_h,
                                 chunk_dplr_fwd_intra)
+    modules = (chunk_dplr_fwd_intra, chunk_dplr_fwd_h, chunk_dplr_bwd_intra,
+               chunk_dplr_bwd_local, chunk_dplr_bwd_dhu)
+    _sweep_launched_kernels(D, monkeypatch, chunk_dplr_delta_rule, modules, len(modules))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_tuning_config_of_the_recurrent_kernels(D, monkeypatch):
+    """The same for fused_recurrent_dplr_delta_rule's forward and backward kernels: the
+    forward's default differs on few sequences x heads (16 columns at 4 warps at K = 64,
+    64 at 8 warps at K = 128) from the decode batches' one-warp rule."""
+    from fla.ops.generalized_delta_rule import fused_recurrent as module
+    _sweep_launched_kernels(D, monkeypatch, fused_recurrent_dplr_delta_rule, (module,), 2)
+
+
+def _sweep_launched_kernels(D, monkeypatch, fn, modules, kernels: int):
+    """Every config of every tuned kernel of ``modules`` that ``fn`` launches, against
+    the float64 loop (bf16 inputs, outputs and gradients within 2e-2)."""
     from tests.helpers import output_grad, randn
     from tests.ops.config_sweep import launched_stages, sweep_configs
     from tests.ops.dplr_cases import reference
@@ -170,14 +188,11 @@ def test_every_tuning_config_of_the_chunk_kernels(D, monkeypatch):
     refs = [o_ref, ht_ref] + [g_ref[n] for n in order]
 
     def call():
-        o, ht, grads = run(chunk_dplr_delta_rule, leaves(inputs, torch.bfloat16, "cuda"),
-                           do, dht)
+        o, ht, grads = run(fn, leaves(inputs, torch.bfloat16, "cuda"), do, dht)
         return [o, ht] + [grads[n] for n in order]
 
-    modules = (chunk_dplr_fwd_intra, chunk_dplr_fwd_h, chunk_dplr_bwd_intra,
-               chunk_dplr_bwd_local, chunk_dplr_bwd_dhu)
     launched = launched_stages(monkeypatch, modules, call, refs, 2e-2)
-    assert len(launched) == len(modules), [name for name, *_ in launched]
+    assert len(launched) == kernels, [name for name, *_ in launched]
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)
 

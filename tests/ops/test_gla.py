@@ -623,17 +623,39 @@ def test_every_tuning_config_of_the_vector_gate_kernels(D, exclusive, monkeypatc
     (H100, Triton 3.6: the state pass at BV = 32 with one stage faulted with an illegal
     address when FLA_TUNE=1 benchmarked it.)"""
     from fla.ops.common import chunk_delta_h_bwd, chunk_gk_bwd, chunk_gk_fwd
-    from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
+    from fla.ops.rwkv6 import chunk_rwkv6
+    fn = chunk_rwkv6 if exclusive else chunk_gla
+    _sweep_vector_gate_kernels(D, exclusive, monkeypatch, fn,
+                               (chunk_gk_fwd, chunk_gk_bwd, chunk_delta_h_bwd), 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("exclusive", [False, True], ids=["gla", "rwkv6"])
+def test_every_tuning_config_of_the_recurrent_kernels(D, exclusive, monkeypatch):
+    """The same for fused_recurrent_gla / fused_recurrent_rwkv6 (forward and backward
+    kernels): the forward's default differs on few sequences x heads (8 columns at 4
+    warps at K = 128) from the decode batches' one-warp rule, so more of its space runs."""
+    from fla.ops.gla import fused_recurrent as module
+    from fla.ops.rwkv6 import fused_recurrent_rwkv6
+    fn = fused_recurrent_rwkv6 if exclusive else as_fused(fused_recurrent_gla)
+    _sweep_vector_gate_kernels(D, exclusive, monkeypatch, fn, (module,), 2)
+
+
+def _sweep_vector_gate_kernels(D, exclusive, monkeypatch, fn, modules, kernels: int):
+    """Every config of every tuned kernel of ``modules`` that ``fn`` (GLA's or RWKV6's op,
+    by ``exclusive``) launches, against the float64 loop (bf16, fwd + bwd, 2e-2)."""
+    from fla.ops.rwkv6 import naive_recurrent_rwkv6
     from tests.ops.config_sweep import launched_stages, sweep_configs
 
     gen = generator(0x61c)
     inputs = make_inputs(gen, B=2, T=300, H=2, K=D, V=D)
     if exclusive:
         inputs["u"] = randn((2, D), gen, torch.float64, scale=0.5)
-        fn, ref_fn = chunk_rwkv6, naive_recurrent_rwkv6
+        ref_fn = naive_recurrent_rwkv6
         names = {"q": "r", "g": "w"}
     else:
-        fn, ref_fn, names = chunk_gla, naive, {}
+        ref_fn, names = naive, {}
     do = output_grad(inputs["v"].shape, gen, torch.bfloat16)
     dht = randn(inputs["initial_state"].shape, gen, torch.float64)
     leaves = leaves_of(inputs, torch.bfloat16, "cpu")
@@ -650,8 +672,7 @@ def test_every_tuning_config_of_the_vector_gate_kernels(D, exclusive, monkeypatc
         o, ht, grads = run(fn, cuda, do, dht)
         return [o, ht] + [grads[n] for n in order]
 
-    launched = launched_stages(monkeypatch, (chunk_gk_fwd, chunk_gk_bwd, chunk_delta_h_bwd),
-                               call, refs, 2e-2)
-    assert len(launched) >= 3, [name for name, *_ in launched]
+    launched = launched_stages(monkeypatch, modules, call, refs, 2e-2)
+    assert len(launched) >= kernels, [name for name, *_ in launched]
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)

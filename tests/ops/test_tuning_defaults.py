@@ -588,3 +588,42 @@ def test_split_pieces_without_the_delta_follow_the_measured_best():
     _follows_the_best("combine", SPLIT_MS["combine"], config, inter._combine_space(args),
                       (config.meta["BV"], config.num_warps, config.num_stages))
     assert inter._combine_default(dict(args, FORM="delta")).num_warps == 4
+
+
+# The fused recurrent forwards on few sequences x heads (prefill of a small batch; H100,
+# Triton 3.6, bf16, 2026-11-27, `scratch/recurrent_fill_probe.py`: the op's no-grad
+# forward with each config forced, stage 1): (BV, warps). The one-warp default of the
+# decode batches was 2.6x off the best for RWKV7 at K = 64; the gated delta rule's is
+# still the best there.
+RECURRENT_THIN_MS = {
+    ("dplr", "4x1024x32x64"): {(32, 1): 2.8135, (16, 4): 1.0839, (8, 4): 1.2024,
+                               (16, 8): 1.3633},
+    ("dplr", "4x4096x32x64"): {(32, 1): 11.188, (16, 4): 4.312, (8, 4): 4.808,
+                               (16, 8): 5.446, (32, 4): 5.720},
+    ("dplr", "4x1024x16x128"): {(16, 1): 2.8500, (64, 8): 2.3462, (8, 4): 2.4990,
+                                (8, 2): 2.5234},
+    ("gla", "4x2048x16x128"): {(16, 1): 3.6427, (8, 4): 2.9274, (8, 2): 3.0522,
+                               (16, 4): 3.1206},
+    ("gdn", "4x2048x16x128"): {(16, 1): 2.7420, (8, 1): 2.9980, (16, 4): 3.5212},
+}
+
+
+@pytest.mark.parametrize("family, shape", list(RECURRENT_THIN_MS))
+def test_fused_recurrent_forward_defaults_on_thin_grids_follow_the_measured_best(family,
+                                                                                 shape):
+    from fla.ops.common import fused_recurrent_tiles as tiles
+    from fla.ops.gated_delta_rule import fused_recurrent as gdn
+    from fla.ops.generalized_delta_rule import fused_recurrent as dplr
+    from fla.ops.gla import fused_recurrent as gla
+    kernel = {"dplr": dplr.fused_recurrent_dplr_fwd_kernel,
+              "gla": gla.fused_recurrent_gla_fwd_kernel,
+              "gdn": gdn.fused_recurrent_gated_delta_rule_fwd_kernel}[family]
+    B, T, H, D = map(int, shape.split("x"))
+    few = grid_fill(B * H * -(-D // 64), SMS)
+    assert few > 0
+    args = dict(K=D, V=D, BK=tiles.block_k(D), q=BF16, h0=None, FEW_PROGRAMS=few)
+    config = kernel.default(args)
+    _follows_the_best(f"{family} {shape}", RECURRENT_THIN_MS[family, shape], config,
+                      kernel.space(args), (config.meta["BV"], config.num_warps))
+    # Decode batches (a full grid) keep the common rule.
+    assert kernel.default(dict(args, FEW_PROGRAMS=0)) == tiles.default_config(args)

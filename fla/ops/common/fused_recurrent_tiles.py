@@ -14,7 +14,7 @@ the measurements behind them; each family's module imports them (the rules go to
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import triton
 import triton.language as tl
@@ -22,7 +22,7 @@ import triton.language as tl
 from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
-__all__ = ["block_k", "default_config", "config_space", "bwd_block_v",
+__all__ = ["block_k", "default_config", "thin_grid_default", "config_space", "bwd_block_v",
            "bwd_default_config", "bwd_config_space", "state_tile",
            "token_row", "load_token_row"]
 
@@ -43,6 +43,19 @@ def default_config(args) -> Config:
     BK = args["BK"]
     BV = min(next_power_of_2(args["V"]), max(16, 2048 // BK))
     return Config(BV=BV, num_warps=max(1, BK * BV // 2048), num_stages=1)
+
+
+def thin_grid_default(thin: Mapping[int, Config]) -> Callable[[Mapping[str, Any]], Config]:
+    """A forward's default rule: ``thin[BK]`` where the launcher's ``FEW_PROGRAMS`` hint
+    (:func:`fla.utils.grid.sequential_grid_fill`, from sequences x heads: a small batch's
+    prefill) says one-warp programs would leave most SMs idle, :func:`default_config`
+    elsewhere (the decode batches that rule was measured on). Each family gives the
+    tiles measured for its kernel; a head size it does not list keeps the common rule."""
+    def rule(args: Mapping[str, Any]) -> Config:
+        if args.get("FEW_PROGRAMS", 0) and args["BK"] in thin:
+            return thin[args["BK"]]
+        return default_config(args)
+    return rule
 
 
 def config_space(args, block_vs: Sequence[int] = (8, 16, 32, 64)) -> list[Config]:
