@@ -68,8 +68,8 @@ from fla.ops.common.fused_recurrent_tiles import (
     token_row,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
-from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.ops.utils.index import locate_sequence
+from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.ops.utils.state_tiles import load_state_tiles
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
