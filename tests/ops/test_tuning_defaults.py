@@ -611,6 +611,8 @@ RECURRENT_THIN_MS = {
 @pytest.mark.parametrize("family, shape", list(RECURRENT_THIN_MS))
 def test_fused_recurrent_forward_defaults_on_thin_grids_follow_the_measured_best(family,
                                                                                  shape):
+    """Where the launcher's hint says few sequences x heads, each family's forward takes
+    the tile measured best for it (within 5%), and the decode rule elsewhere."""
     from fla.ops.common import fused_recurrent_tiles as tiles
     from fla.ops.gated_delta_rule import fused_recurrent as gdn
     from fla.ops.generalized_delta_rule import fused_recurrent as dplr
