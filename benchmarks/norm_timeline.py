@@ -6,7 +6,8 @@ RMSNorm's fwd+bwd (issue 7) is host-bound on some GPU hosts: the GPU finishes th
 forward kernel and waits until the host has launched the backward's. This times a step
 the way ``run_side`` does (a 256 MB cache flush before each step, do_bench's median) and
 stamps, with ``time.perf_counter_ns``, the moments the host reaches: the forward and
-backward ops' entries and exits, each kernel launch's start and end, the forward's and
+backward ops' entries and exits, each kernel launch's start and end (dγ's partial-sum
+reduction as ``dw sum``), the forward's and
 the backward's return (medians over ``--steps`` steps, µs from the step's start, with
 the 10th and 90th percentiles). Variants: ours, ours with autograd's multithreading off
 (the backward on the calling thread: a user's setting, shown for the hand-off's cost)
@@ -64,9 +65,14 @@ def _stamping(stamps: _Stamps):
     import fla.modules.layernorm_kernels as lk
     saved = {(ln, "_norm_fwd_op"): ln._norm_fwd_op, (ln, "_norm_bwd_op"): ln._norm_bwd_op,
              (lk, "norm_fwd_kernel"): lk.norm_fwd_kernel,
-             (lk, "norm_bwd_kernel"): lk.norm_bwd_kernel}
+             (lk, "norm_bwd_kernel"): lk.norm_bwd_kernel,
+             (lk, "sum_partial_pair"): lk.sum_partial_pair}
     ln._norm_fwd_op = stamps.around("forward op", ln._norm_fwd_op)
     ln._norm_bwd_op = stamps.around("backward op", ln._norm_bwd_op)
+    # The backward's second launch (dγ's partial sums) and what follows it: on the hosts
+    # where the step is host-bound, the backward op returned ~120 µs after its kernel's
+    # launch (2026-11-27).
+    lk.sum_partial_pair = stamps.around("dw sum", lk.sum_partial_pair)
     lk.norm_fwd_kernel = _StampedKernel(stamps, "forward kernel", lk.norm_fwd_kernel)
     lk.norm_bwd_kernel = _StampedKernel(stamps, "backward kernel", lk.norm_bwd_kernel)
     try:
