@@ -631,7 +631,8 @@ def test_norm_timeline_stamps_the_ops_and_launches_in_order(monkeypatch):
     import fla.modules.layernorm_kernels as lk
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    before = (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel)
+    before = (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel,
+              lk.sum_partial_pair)
     norm = RMSNorm(32)
     x = torch.randn(4, 32, requires_grad=True)
     dy = torch.randn(4, 32)
@@ -640,10 +641,11 @@ def test_norm_timeline_stamps_the_ops_and_launches_in_order(monkeypatch):
     assert median is None   # no do_bench off the GPU
     order = ["forward op >", "forward kernel launch >", "forward kernel launch <",
              "forward op <", "forward returned", "backward op >",
-             "backward kernel launch >", "backward kernel launch <", "backward op <",
-             "backward returned"]
+             "backward kernel launch >", "backward kernel launch <", "dw sum >",
+             "dw sum <", "backward op <", "backward returned"]
     assert list(stamps) == order
     mids = [stamps[name][0] for name in order]
     assert mids == sorted(mids) and mids[0] > 0
-    assert (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel) == before
+    assert (ln._norm_fwd_op, ln._norm_bwd_op, lk.norm_fwd_kernel, lk.norm_bwd_kernel,
+            lk.sum_partial_pair) == before
     assert x.grad is not None and torch.isfinite(x.grad).all()
