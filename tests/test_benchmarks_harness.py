@@ -564,6 +564,11 @@ def test_host_python_times_the_triton_path_without_launching(op, monkeypatch):
     from benchmarks import host_python
     from fla.utils import tuning
 
+    # Triton makes a kernel interpreted or compiled when its module is first imported:
+    # import the op's modules under the suite's interpreter before the switch is taken
+    # away, or the rest of the process gets compiled kernels (run alone, this file's
+    # later interpreter tests then failed on a CPU-only torch).
+    host_python.OPS[op]()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launched = []
     original = tuning.TunedKernel._run
