@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--profile", action="store_true",
                    help="then a cProfile of RMSNorm forward + backward (one thread)")
+    p.add_argument("--bound-ab", type=int, default=0, metavar="ROUNDS",
+                   help="then RMSNorm fwd+bwd with bound launches on and off, interleaved")
     args = p.parse_args(argv)
 
     from fla.modules import RMSNorm
@@ -51,6 +53,10 @@ def main(argv=None) -> int:
                  BLOCK=BLOCK, NCHUNK=NCHUNK, IS_RMS_NORM=True, HAS_RESIDUAL=False,
                  STORE_RESIDUAL_OUT=False, HAS_WEIGHT=True, HAS_BIAS=False, ACTIVATION=0,
                  STATS_GIVEN=False)
+    tensor_names = ("x", "residual", "weight", "bias", "g", "y", "residual_out", "mean",
+                    "rstd")
+    tensors = {k: named[k] for k in tensor_names}
+    scalars = {k: v for k, v in named.items() if k not in tensor_names}
     tuned = lk.norm_fwd_kernel
     lk.norm_fwd(x, norm.weight, None, None, None, 1e-5, 1, True, 0, None)  # choose + compile
     config = tuned.chosen_config(**named)
@@ -112,6 +118,8 @@ def main(argv=None) -> int:
         ("compiled kernel's launcher alone (the floor)", bare_launcher),
         ("raw Triton launch (norm_fwd_kernel)", lambda: tuned.kernel[grid](**named, **meta)),
         ("tuning-layer launch", lambda: tuned[grid](**named)),
+        ("bound launch (tensors checked, scalars fixed)",
+         lambda: tuned.launch_bound(grid, tensors, scalars)),
         ("norm_fwd (allocations + launch)",
          lambda: lk.norm_fwd(x, norm.weight, None, None, None, 1e-5, 1, True, 0, None)),
         ("RMSNorm forward, no grad", lambda: _no_grad(norm, x)),
@@ -133,6 +141,8 @@ def main(argv=None) -> int:
             with direct_launches(direct):
                 times.append(per_call_us(fn, args.calls))
         print(f"  {times[0]:8.1f} | {times[1]:8.1f}  {name}")
+    if args.bound_ab:
+        _bound_ab(fwd_bwd, args.bound_ab, args.calls, D)
     if args.profile:
         _time_inside_backward(fwd_bwd, fwd_bwd_one_thread, args.calls)
         _sample_all_threads(fwd_bwd, args.calls)
@@ -147,6 +157,40 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return 0
+
+
+def _bound_ab(fwd_bwd, rounds: int, calls: int, D: int) -> None:
+    """RMSNorm forward + backward with bound launches (fla/utils/direct_launch.py) on and
+    off, interleaved round by round in this process (host speed drifts within a call):
+    host µs a call at the small shape, and do_bench's median at 16384 x D."""
+    import statistics
+
+    import triton.testing
+
+    from fla.modules import RMSNorm
+    from fla.utils.direct_launch import bound_launches
+
+    x = torch.randn(16384, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    norm = RMSNorm(D).to(device="cuda", dtype=torch.bfloat16)
+
+    def big():
+        torch.autograd.backward(norm(x), dy)
+
+    host: dict[bool, list[float]] = {True: [], False: []}
+    bench: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for on in (True, False):
+            with bound_launches(on):
+                host[on].append(per_call_us(fwd_bwd, calls))
+                bench[on].append(1e3 * triton.testing.do_bench(
+                    big, warmup=25, rep=100, grad_to_none=[x, norm.weight],
+                    return_mode="median"))
+    for on in (True, False):
+        print(f"  bound launches {'on ' if on else 'off'}: host fwd+bwd min "
+              f"{min(host[on]):6.1f} / median {statistics.median(host[on]):6.1f} us; "
+              f"do_bench 16384x{D} fwd+bwd min {min(bench[on]):6.1f} / median "
+              f"{statistics.median(bench[on]):6.1f} us ({rounds} rounds)")
 
 
 def _time_inside_backward(multi_threaded, one_thread, calls: int) -> None:

@@ -46,13 +46,18 @@ class _Stamps:
 
 
 class _StampedKernel:
-    """A tuned kernel whose launches are stamped (``kernel[grid](...)``)."""
+    """A tuned kernel whose launches are stamped (``kernel[grid](...)`` and
+    ``kernel.launch_bound(...)``)."""
 
     def __init__(self, stamps: _Stamps, name: str, kernel) -> None:
         self._stamps, self._name, self._kernel = stamps, name, kernel
 
     def __getitem__(self, grid):
         return self._stamps.around(self._name + " launch", self._kernel[grid])
+
+    def launch_bound(self, grid, tensors, scalars):
+        return self._stamps.around(self._name + " launch", self._kernel.launch_bound)(
+            grid, tensors, scalars)
 
     def __getattr__(self, attr):
         return getattr(self._kernel, attr)

@@ -493,23 +493,27 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     D = width // G
     R = N * G
     BLOCK, NCHUNK = row_layout(D)
-    y = torch.empty_like(x) if y_dtype is None else torch.empty(x.shape, dtype=y_dtype,
-                                                                 device=x.device)
+    # empty_like of the contiguous x: the fastest allocation call on the host.
+    y = torch.empty_like(x, dtype=y_dtype)
     residual_out = None
     if residual_dtype is not None:
-        residual_out = torch.empty(x.shape, dtype=residual_dtype, device=x.device)
+        residual_out = torch.empty_like(x, dtype=residual_dtype)
     rstd = torch.empty(R, dtype=torch.float32, device=x.device)
     mean = None if is_rms_norm else torch.empty(R, dtype=torch.float32, device=x.device)
     if NCHUNK > 1:
         norm_fwd_stats_kernel[(R,)](
             x=x, residual=residual, mean=mean, rstd=rstd, eps=eps, D=D, BLOCK=BLOCK,
             NCHUNK=NCHUNK, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None)
-    norm_fwd_kernel[lambda meta: (cdiv(R, meta["BR"]) * NCHUNK,)](
-        x=x, residual=residual, weight=weight, bias=bias, g=g, y=y, residual_out=residual_out,
-        mean=mean, rstd=rstd, eps=eps, R=R, D=D, G=G, BLOCK=BLOCK, NCHUNK=NCHUNK,
-        IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
-        STORE_RESIDUAL_OUT=residual_out is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ACTIVATION=activation, STATS_GIVEN=NCHUNK > 1)
+    # Bound launches (tensors apart from scalars): the host time of a launch is a large
+    # share of a norm's step on slow hosts.
+    norm_fwd_kernel.launch_bound(
+        lambda meta: (cdiv(R, meta["BR"]) * NCHUNK,),
+        dict(x=x, residual=residual, weight=weight, bias=bias, g=g, y=y,
+             residual_out=residual_out, mean=mean, rstd=rstd),
+        dict(eps=eps, R=R, D=D, G=G, BLOCK=BLOCK, NCHUNK=NCHUNK, IS_RMS_NORM=is_rms_norm,
+             HAS_RESIDUAL=residual is not None, STORE_RESIDUAL_OUT=residual_out is not None,
+             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+             STATS_GIVEN=NCHUNK > 1))
     return y, residual_out, mean, rstd
 
 
@@ -531,10 +535,10 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
     G = num_groups
     D = width // G
     BLOCK, NCHUNK = row_layout(D, min(MAX_SINGLE_PASS_D, MAX_SINGLE_PASS_BWD_D))
-    dx = torch.empty(s.shape, dtype=x_dtype, device=s.device)
+    dx = torch.empty_like(s, dtype=x_dtype)
     dresidual = None
     if residual_dtype is not None:
-        dresidual = torch.empty(s.shape, dtype=residual_dtype, device=s.device)
+        dresidual = torch.empty_like(s, dtype=residual_dtype)
     dg = None if g is None else torch.empty_like(g)
     dstats = None
     if NCHUNK > 1:
@@ -548,12 +552,14 @@ def norm_bwd(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
                                                       device=s.device)
     db_part = None if bias is None else torch.empty(P, width, dtype=torch.float32,
                                                     device=s.device)
-    norm_bwd_kernel[(G * NCHUNK, P)](
-        x=s, weight=weight, bias=bias, g=g, dy=dy, dresidual_out=dresidual_out, dx=dx,
-        dresidual=dresidual, dg=dg, mean=mean, rstd=rstd, dstats=dstats, dw=dw_part,
-        db=db_part, N=N, D=D, G=G, BLOCK=BLOCK, NCHUNK=NCHUNK, IS_RMS_NORM=is_rms_norm,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
-        HAS_DRESIDUAL_OUT=dresidual_out is not None, HAS_DRESIDUAL=dresidual is not None,
-        STATS_GIVEN=NCHUNK > 1)
+    norm_bwd_kernel.launch_bound(
+        (G * NCHUNK, P),
+        dict(x=s, weight=weight, bias=bias, g=g, dy=dy, dresidual_out=dresidual_out, dx=dx,
+             dresidual=dresidual, dg=dg, mean=mean, rstd=rstd, dstats=dstats, dw=dw_part,
+             db=db_part),
+        dict(N=N, D=D, G=G, BLOCK=BLOCK, NCHUNK=NCHUNK, IS_RMS_NORM=is_rms_norm,
+             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+             HAS_DRESIDUAL_OUT=dresidual_out is not None,
+             HAS_DRESIDUAL=dresidual is not None, STATS_GIVEN=NCHUNK > 1))
     dweight, dbias = sum_partial_pair(dw_part, weight, db_part, bias)
     return dx, dresidual, dg, dweight, dbias

@@ -53,7 +53,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from fla.utils.compile_ahead import recording
-from fla.utils.direct_launch import DirectLauncher, direct_launch_enabled
+from fla.utils.direct_launch import (DirectLauncher, bound_launches_enabled,
+                                     direct_launch_enabled)
 from fla.utils.triton_facts import (
     TRITON_VERSION_STRING,
     device_name,
@@ -143,6 +144,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
+
+
+# Bound launches kept per kernel (TunedKernel.launch_bound): past this many distinct
+# scalar sets (a shape that changes every step) the kernel starts a fresh set; per set,
+# this many tensor variants (dtypes, alignments), the oldest dropped first.
+_MAX_BOUND = 64
+_MAX_VARIANTS = 4
 
 
 def _key_part(value: Any) -> Any:
@@ -261,6 +269,42 @@ class TunedKernel:
                 direct.remember(config, named)
             return result
         return self._run_first(key, config, grid, named)
+
+    def launch_bound(self, grid, tensors: Mapping[str, Any],
+                     scalars: Mapping[str, Any]) -> None:
+        """``self[grid](**tensors, **scalars)``, cheaper on the host when called again
+        with equal scalars: the launch is then bound once (config, compiled kernel, grid
+        and every scalar fixed; :class:`fla.utils.direct_launch.BoundLaunch`) and later
+        calls only check their tensors' dtypes and alignments.
+
+        ``tensors`` holds every tensor (or None) argument, ``scalars`` every other one;
+        the grid (a tuple or a function of the arguments) must depend on the scalars and
+        the config only, and each call site must pass its scalars with the same types
+        (True and 1 are one key here). For the host-bound small kernels (norms, partial
+        sums), launched several times a layer.
+        """
+        direct = self._direct
+        if direct is None or not bound_launches_enabled() or recording() is not None:
+            self.launch(grid, (), {**tensors, **scalars})
+            return
+        key = tuple(scalars.items())
+        variants = direct.bound.get(key)
+        if variants is not None:
+            for bound in variants:
+                if bound(tensors):
+                    return
+        named = {**tensors, **scalars}
+        self.launch(grid, (), named)
+        bound = direct.bind(named, tensors, lambda args: self._grid(grid, args))
+        if bound is None:
+            return
+        if variants is None:
+            if len(direct.bound) >= _MAX_BOUND:  # a shape that changes every call
+                direct.bound.clear()
+            variants = direct.bound[key] = []
+        elif len(variants) >= _MAX_VARIANTS:
+            del variants[0]
+        variants.append(bound)
 
     def key_of(self, named: Mapping[str, Any]) -> tuple:
         return tuple(_key_part(named.get(k)) for k in self.key)

@@ -159,6 +159,59 @@ def test_a_call_seen_before_finds_its_config_and_kernel(monkeypatch):
     assert launcher.lookup(named) is None
 
 
+def test_a_bound_launch_runs_only_calls_equal_to_the_one_it_was_bound_with(monkeypatch):
+    """bind / BoundLaunch: the launch is made with the bound scalars and the call's
+    tensors; a tensor of another dtype, alignment or presence, another set of names, a
+    non-tensor, or a change of device or runtime switches refuses (returns False) and
+    launches nothing; the bound template keeps no tensor alive."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+
+    class WithFlag:
+        params = [_Param("x"), _Param("y"), _Param("flag"), _Param("n"), _Param("mode"),
+                  _Param("D", constexpr=True), _Param("BLOCK", constexpr=True)]
+
+    launched = []
+    entry = (lambda *args: launched.append(args), "function", "metadata", "kernel")
+    launcher = DirectLauncher(WithFlag(), valued=["mode", "D"])
+    x, y = torch.zeros(64), torch.zeros(64)
+    named = {"x": x, "y": y, "flag": None, "n": 17, "mode": 3, "D": 16}
+    config = _Config(BLOCK=64)
+    grid_of = lambda args: (args["n"] // 8, args["BLOCK"])  # noqa: E731
+    assert launcher.bind(named, ("x", "y", "flag"), grid_of) is None   # not remembered
+    launcher._compiled[launcher.key(config, {**named, "BLOCK": 64})] = entry
+    launcher.remember(config, named)
+    bound = launcher.bind(named, ("x", "y", "flag"), grid_of)
+    assert bound is not None and launcher.bind(named, ("x", "n"), grid_of) is None
+    assert all(v is not x and v is not y for v in bound._arguments.__globals__.values())
+
+    x2, y2 = torch.ones(64), torch.ones(64)
+    assert bound({"x": x2, "y": y2, "flag": None})
+    (gx, gy, gz, stream, function, metadata, _, _, _, *values), = launched
+    assert (gx, gy, gz, stream, function, metadata) == (2, 64, 1, 7, "function", "metadata")
+    assert values[0] is x2 and values[1] is y2 and values[2:] == [None, 17, 3, 16, 64]
+    refused = [{"x": x2, "y": y2},                              # a name missing
+               {"x": x2, "y": y2, "flag": None, "z": x2},       # a name more
+               {"x": x2, "y": y2, "other": None},               # another name
+               {"x": x2[1:], "y": y2, "flag": None},            # misaligned
+               {"x": x2.half(), "y": y2, "flag": None},         # dtype
+               {"x": x2, "y": y2, "flag": x2},                  # a tensor where None was
+               {"x": None, "y": y2, "flag": None},              # None where a tensor was
+               {"x": 3, "y": y2, "flag": None}]                 # not a tensor
+    for call in refused:
+        assert not bound(call), call
+    assert len(launched) == 1
+    monkeypatch.setattr(direct_launch, "_switches", lambda: ("instrumented",))
+    assert not bound({"x": x2, "y": y2, "flag": None})
+    monkeypatch.setattr(direct_launch, "_switches", lambda: ())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not bound({"x": x2, "y": y2, "flag": None})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with direct_launches(False):
+        assert not bound({"x": x2, "y": y2, "flag": None})
+    assert len(launched) == 1
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
@@ -245,3 +298,38 @@ def test_calls_seen_before_keep_the_config_their_tuning_key_chose():
         config, _, _ = kernel._direct.lookup(named)
         assert config == kernel.chosen_config(**named)
         assert config.meta["BLOCK"] == (32 if n < 1000 else 128)
+
+
+@pytest.mark.gpu
+def test_bound_launches_match_the_usual_path():
+    """launch_bound: after two calls at a scalar set, later calls go bound and compute
+    what the usual path does; misaligned and other-dtype tensors get bound launches of
+    their own at the same scalars; a forced config (the tests' way to change the rules)
+    drops them, and so does turning bound launches off."""
+    from tests.utils.tiny_kernels import grid, make_tuned
+    from fla.utils.direct_launch import bound_launches
+    from fla.utils.tuning import Config
+
+    kernel = make_tuned(lambda a: Config(BLOCK=64, num_warps=2))
+    base = torch.randn(4096 + 64, device="cuda")
+
+    def call(offset, n, dtype=torch.float32):
+        x = base[offset:offset + n].to(dtype)
+        y = torch.full_like(x, float("nan"))
+        before = kernel._direct.stats["bound"]
+        kernel.launch_bound(grid, {"x": x, "y": y}, {"n": n, "D": 16})
+        torch.testing.assert_close(y, 2 * x, rtol=0, atol=0)
+        return kernel._direct.stats["bound"] - before
+
+    rows = [(0, 4096, torch.float32), (1, 4096, torch.float32), (0, 4096, torch.float16),
+            (0, 1000, torch.float32), (3, 1000, torch.float32), (8, 17, torch.float16)]
+    for _ in range(2):             # the first calls choose, verify and remember
+        for row in rows:
+            call(*row)
+    assert [call(*row) for row in rows] == [1] * len(rows)
+    assert len(kernel._direct.bound[(("n", 4096), ("D", 16))]) == 3
+    with bound_launches(False):
+        assert call(0, 4096) == 0
+    kernel._chosen = {}            # what tests do to force configs: the bound set goes too
+    assert kernel._direct.bound == {}
+    assert call(0, 4096) == 0

@@ -84,9 +84,10 @@ def sum_partials(parts_a: torch.Tensor, like_a: torch.Tensor,
         out_b = torch.empty(like_b.shape, dtype=like_b.dtype, device=parts_b.device)
         MB = like_b.numel()
     P = parts_a.shape[0]
-    sum_partials_kernel[(-(-max(MA, MB) // _BM),)](
-        parts_a=parts_a, out_a=out_a, parts_b=parts_b, out_b=out_b, P=P, MA=MA, MB=MB,
-        HAS_B=parts_b is not None, BP=_BP, BM=_BM)
+    sum_partials_kernel.launch_bound(
+        (-(-max(MA, MB) // _BM),),
+        dict(parts_a=parts_a, out_a=out_a, parts_b=parts_b, out_b=out_b),
+        dict(P=P, MA=MA, MB=MB, HAS_B=parts_b is not None, BP=_BP, BM=_BM))
     return out_a if parts_b is None else (out_a, out_b)
 
 
