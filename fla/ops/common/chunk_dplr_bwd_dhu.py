@@ -26,6 +26,7 @@ from fla.ops.common.chunk_dplr_fwd_h import (
 )
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import first_chunk_row, locate_sequence, prepare_chunk_offsets
+from fla.ops.utils.state_tiles import state_tile
 from fla.ops.utils.tiles import tile_width
 from fla.utils.grid import cdiv
 from fla.utils.tuning import Config, tuned
@@ -58,16 +59,12 @@ def chunk_dplr_bwd_dhu_kernel(
     first_chunk = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
     m_a = o_t < BT
 
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
+        b_dS += tl.load(dht + state + o_s, mask=m_s, other=0.0).to(tl.float32)
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
         m_t = i_t * BT + o_t < T
@@ -101,7 +98,7 @@ def chunk_dplr_bwd_dhu_kernel(
         b_dS += tl.dot(tl.trans(b_q), b_do, input_precision=PRECISION)
         b_dS += tl.dot(tl.trans(b_a), b_dz, input_precision=PRECISION)
     if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_s, b_dS, mask=m_s)
+        tl.store(dh0 + state + o_s, b_dS, mask=m_s)
 
 
 def chunk_dplr_bwd_dhu(q, k, a, b, gk, Aqk, Aqb, Aak, Ai, do, dht, scale, v_dtype,

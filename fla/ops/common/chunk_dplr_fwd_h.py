@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_dplr_fwd_intra import dot_args
 from fla.ops.utils.index import first_chunk_row, locate_sequence, prepare_chunk_offsets
+from fla.ops.utils.state_tiles import state_tile
 from fla.ops.utils.tiles import sixteen_bit, tile_width
 from fla.utils.grid import cdiv, next_power_of_2
 from fla.utils.tuning import Config, tuned
@@ -102,17 +103,13 @@ def chunk_dplr_fwd_h_kernel(
     first_chunk = first_chunk_row(i_n, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_k, m_v, o_s, m_s, state = state_tile(i_v, i_nh, K, V, BK, BV)
     o_a = tl.arange(0, BT)
     m_a = o_a < BT
 
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + state + o_s, mask=m_s, other=0.0).to(tl.float32)
     for i_t in range(0, NT):
         m_t = i_t * BT + o_t < T
         tok = bos + i_t * BT
@@ -151,7 +148,7 @@ def chunk_dplr_fwd_h_kernel(
         b_S += tl.dot(tl.trans(b_b), b_ud, input_precision=PRECISION)
         b_S += tl.dot(tl.trans(b_k), b_v, input_precision=PRECISION)
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + o_s, b_S, mask=m_s)
+        tl.store(ht + state + o_s, b_S, mask=m_s)
 
 
 def chunk_dplr_fwd_h(q, k, v, a, b, gk, Aqk, Aqb, Aak, Ai, scale, initial_state,

@@ -7,10 +7,10 @@ the whole sequence, BK covering all of K (so ``Sᵀx`` is complete inside one pr
 tiles never talk to each other). Their forwards choose BV and warps by the same rule,
 their backwards fix BV in the launcher (it sets the layout of the partial sums over V
 tiles) and tune warps only, and every kernel finds its state tile and each token's rows
-the same way (its sequence's tokens through ``fla.ops.utils.index.locate_sequence``, as
-the chunked kernels do). Those rules and building blocks live here once, with
-the measurements behind them; each family's module imports them (the rules go to
-``@tuned``).
+the same way (its sequence's tokens through ``fla.ops.utils.index.locate_sequence`` and
+its tile through ``fla.ops.utils.state_tiles.state_tile``, as the DPLR chunk passes do).
+Those rules and building blocks live here once, with the measurements behind them; each
+family's module imports them (the rules go to ``@tuned``).
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
 __all__ = ["block_k", "default_config", "thin_grid_default", "config_space", "bwd_block_v",
-           "bwd_default_config", "bwd_config_space", "state_tile",
-           "token_row", "load_token_row"]
+           "bwd_default_config", "bwd_config_space", "token_row", "load_token_row"]
 
 
 def block_k(K: int) -> int:
@@ -112,20 +111,3 @@ def load_token_row(x, t, rows, row, width: tl.constexpr, offsets, mask):
     """:func:`token_row`'s elements, masked (zeros where ``mask`` is false), in float32."""
     return tl.load(token_row(x, t, rows, row, width, offsets), mask=mask,
                    other=0.).to(tl.float32)
-
-
-@triton.jit
-def state_tile(i_v, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr):
-    """Program (V tile ``i_v``, sequence·head ``i_nh``)'s tile of its [K, V] state:
-    ``(o_k, o_v, m_k, m_v, o_s, m_s, state)``, the row (K) and column (V) offsets and
-    masks, the tile's offsets and mask inside one state (V contiguous, so each row of
-    the tile is one vectorised access) and the state's first element in an
-    ``[N·H, K, V]`` tensor (int64)."""
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    return (o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :],
-            i_nh.to(tl.int64) * K * V)
-

@@ -64,13 +64,12 @@ from fla.ops.common.fused_recurrent_tiles import (
     config_space,
     default_config as _default_config,
     load_token_row,
-    state_tile,
     token_row,
 )
 from fla.ops.gated_delta_rule.inputs import prepare_gated_delta_inputs
 from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.l2norm import L2NORM_EPS
-from fla.ops.utils.state_tiles import load_state_tiles
+from fla.ops.utils.state_tiles import load_state_tiles, state_tile
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op, upstream_grads
 from fla.utils.grid import cdiv

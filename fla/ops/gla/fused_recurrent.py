@@ -39,14 +39,13 @@ from fla.ops.common.fused_recurrent_tiles import (
     bwd_config_space as _bwd_config_space,
     bwd_default_config as _bwd_default_config,
     config_space as _config_space,
-    state_tile,
     thin_grid_default,
     token_row,
 )
 from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import recurrent_gla_torch
 from fla.ops.utils.index import locate_sequence
-from fla.ops.utils.state_tiles import load_state_tiles
+from fla.ops.utils.state_tiles import load_state_tiles, state_tile
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
 from fla.utils.grid import cdiv, sequential_grid_fill

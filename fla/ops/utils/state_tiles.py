@@ -6,13 +6,16 @@ row tiles ``b_1 … b_4`` (rows j·BK … j·BK + BK, BK = 64 or 128 a tuning ch
 past K never formed: K > j·BK decides at compile time). The state tensors in memory are
 ``[.., K, W]`` with W contiguous; ``o_s`` (the first tile's [BK, BV] offsets, rows
 times W plus the program's columns) and the column mask ``m_w`` place every tile.
+Passes whose state is one ``[BK, BV]`` tile (BK covering K: the fused recurrent kernels,
+the DPLR chunk passes) find it with :func:`state_tile`.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["load_state_tiles", "identity_state_tiles", "store_state_tiles", "decay_state_tiles"]
+__all__ = ["state_tile", "load_state_tiles", "identity_state_tiles", "store_state_tiles",
+           "decay_state_tiles"]
 
 
 @triton.jit
@@ -85,3 +88,19 @@ def decay_state_tiles(b_1, b_2, b_3, b_4, b_decay, K: tl.constexpr, BK: tl.const
     if K > 3 * BK:
         b_4 *= b_decay
     return b_1, b_2, b_3, b_4
+
+
+@triton.jit
+def state_tile(i_v, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr):
+    """Program (V tile ``i_v``, sequence·head ``i_nh``)'s tile of its [K, V] state:
+    ``(o_k, o_v, m_k, m_v, o_s, m_s, state)``, the row (K) and column (V) offsets and
+    masks, the tile's offsets and mask inside one state (V contiguous, so each row of
+    the tile is one vectorised access) and the state's first element in an
+    ``[N·H, K, V]`` tensor (int64)."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    return (o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :],
+            i_nh.to(tl.int64) * K * V)
