@@ -42,7 +42,8 @@ def device() -> str:
 
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test, printed so that a failure can be replayed."""
+    """A fresh seed per test, printed so that a failure can be replayed
+    (``FLA_TEST_SEED=<seed> pytest ...``)."""
     value = fresh_seed()
     print(f"seed={value}")
     return value
