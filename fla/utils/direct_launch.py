@@ -205,6 +205,11 @@ class DirectLauncher:
         # Bound launches by their caller's scalar arguments (see :meth:`bind`): a few a
         # scalar set, for calls that differ in their tensors' dtypes or alignments only.
         self.bound: dict[tuple, list[BoundLaunch]] = {}
+        # Scalar sets seen once (bound at their second call: a set that changes every
+        # call, as a packed batch's token count can, is never bound), and the generated
+        # tensor checks by slot layout (shared by every scalar set of that layout).
+        self.seen_once: set[tuple] = set()
+        self._checks: dict[tuple, Callable] = {}
         self.stats = {"direct": 0, "through_triton": 0, "bound": 0}
 
     def _head(self) -> tuple:
@@ -245,6 +250,7 @@ class DirectLauncher:
         """Drop the remembered calls (their configs were chosen under rules since changed)."""
         self._by_caller = {}
         self.bound = {}
+        self.seen_once = set()
 
     def bind(self, named: Mapping[str, Any], tensor_names: Iterable[str],
              grid_of: Callable[[Mapping[str, Any]], Sequence[int]]) -> BoundLaunch | None:
@@ -271,7 +277,11 @@ class DirectLauncher:
             else:
                 return None
         grid = (*grid_of(args), 1, 1)[:3]
-        return BoundLaunch(self, self._head(), grid, values, slots, entry, device)
+        layout = tuple(slots.items())
+        check = self._checks.get(layout)
+        if check is None:
+            check = self._checks[layout] = _bound_arguments(slots)
+        return BoundLaunch(self, self._head(), grid, values, check, entry, device)
 
     def lookup(self, named: Mapping[str, Any]) -> tuple[Any, tuple, int] | None:
         """``(config, compiled entry, device)`` remembered for these caller arguments on
@@ -333,22 +343,21 @@ class BoundLaunch:
     returns False without launching, and the caller takes the usual path.
     """
 
-    __slots__ = ("_launcher", "_head", "_grid", "_arguments", "_run", "_function",
-                 "_packed", "_device")
+    __slots__ = ("_launcher", "_head", "_grid", "_values", "_arguments", "_run",
+                 "_function", "_packed", "_device")
 
     def __init__(self, launcher: DirectLauncher, head: tuple, grid: Sequence[int],
-                 values: list, slots: dict[str, tuple[int, tuple | None]], entry: tuple,
-                 device: int) -> None:
+                 values: list, arguments: Callable, entry: tuple, device: int) -> None:
         self._launcher, self._head, self._grid, self._device = launcher, head, grid, device
+        self._values, self._arguments = values, arguments
         self._run, self._function, self._packed, _ = entry
-        self._arguments = _bound_arguments(values, slots)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor | None]) -> bool:
         launcher = self._launcher
         if not launcher._usable() or launcher._head() != self._head:
             return False
         try:
-            values = self._arguments(tensors)
+            values = self._arguments(tensors, self._values)
         except (KeyError, AttributeError, TypeError):  # a name missing, not a tensor
             return False
         if values is None:
@@ -360,32 +369,29 @@ class BoundLaunch:
         return True
 
 
-def _bound_arguments(values: list, slots: Mapping[str, tuple[int, tuple | None]]):
-    """``arguments(tensors) -> [every parameter's value] or None``, written out as one
-    expression (as :func:`_generated` does): None unless ``tensors`` holds exactly the
-    slots' names, each None where the slot was bound to None and otherwise a tensor of
-    the bound dtype and 16-byte alignment."""
+def _bound_arguments(slots: Mapping[str, tuple[int, tuple | None]]):
+    """``arguments(tensors, template) -> [every parameter's value] or None``, written out
+    (as :func:`_generated` does): None unless ``tensors`` holds exactly the slots' names,
+    each None where the slot was bound to None and otherwise a tensor of the bound dtype
+    and 16-byte alignment; else a copy of ``template`` (every parameter's bound value,
+    None at the tensor slots) with the tensors in their slots."""
     env: dict[str, Any] = {}
     checks = [f"len(tensors) == {len(slots)}"]
-    reads = {}
+    fills = []
     for name, (index, spec) in slots.items():
         if spec is None:
             checks.append(f"tensors[{name!r}] is None")
-            reads[index] = "None"
             continue
         env[f"_dtype{index}"] = spec[0]
         aligned = "not " if spec[1] else ""
         checks.append(f"(_t := tensors[{name!r}]) is not None and _t.dtype is _dtype{index} "
                       f"and {aligned}(_t.data_ptr() & 15)")
-        reads[index] = f"tensors[{name!r}]"
-    items = []
-    for index, value in enumerate(values):
-        if index not in reads:
-            env[f"_c{index}"] = value
-        items.append(reads.get(index, f"_c{index}"))
-    source = (f"def arguments(tensors):\n"
+        fills.append(f"        values[{index}] = tensors[{name!r}]\n")
+    source = (f"def arguments(tensors, template):\n"
               f"    if {' and '.join(checks)}:\n"
-              f"        return [{', '.join(items)}]\n"
+              f"        values = template.copy()\n"
+              f"{''.join(fills)}"
+              f"        return values\n"
               f"    return None\n")
     exec(compile(source, "<fla.utils.direct_launch.bound>", "exec"), env)  # noqa: S102
     return env["arguments"]

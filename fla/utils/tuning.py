@@ -147,8 +147,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # Bound launches kept per kernel (TunedKernel.launch_bound): past this many distinct
-# scalar sets (a shape that changes every step) the kernel starts a fresh set; per set,
-# this many tensor variants (dtypes, alignments), the oldest dropped first.
+# scalar sets the kernel starts a fresh set (and so does its set of scalar sets seen
+# once); per set, this many tensor variants (dtypes, alignments), the first ones kept.
 _MAX_BOUND = 64
 _MAX_VARIANTS = 4
 
@@ -295,15 +295,24 @@ class TunedKernel:
                     return
         named = {**tensors, **scalars}
         self.launch(grid, (), named)
+        if variants is None:
+            # Bind at a scalar set's second call: one seen once may never come back.
+            seen = direct.seen_once
+            if key not in seen:
+                if len(seen) >= _MAX_BOUND:
+                    seen.clear()
+                seen.add(key)
+                return
+        elif len(variants) >= _MAX_VARIANTS:  # keep the first few; bind no more
+            return
         bound = direct.bind(named, tensors, lambda args: self._grid(grid, args))
         if bound is None:
             return
         if variants is None:
-            if len(direct.bound) >= _MAX_BOUND:  # a shape that changes every call
+            direct.seen_once.discard(key)
+            if len(direct.bound) >= _MAX_BOUND:  # many scalar sets that do come back
                 direct.bound.clear()
             variants = direct.bound[key] = []
-        elif len(variants) >= _MAX_VARIANTS:
-            del variants[0]
         variants.append(bound)
 
     def key_of(self, named: Mapping[str, Any]) -> tuple:

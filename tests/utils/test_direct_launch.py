@@ -183,7 +183,10 @@ def test_a_bound_launch_runs_only_calls_equal_to_the_one_it_was_bound_with(monke
     launcher.remember(config, named)
     bound = launcher.bind(named, ("x", "y", "flag"), grid_of)
     assert bound is not None and launcher.bind(named, ("x", "n"), grid_of) is None
-    assert all(v is not x and v is not y for v in bound._arguments.__globals__.values())
+    assert all(v is not x and v is not y for v in bound._values)
+    # The tensor check is generated once per slot layout and shared.
+    other = launcher.bind({**named, "n": 33}, ("x", "y", "flag"), grid_of)
+    assert other is not None and other._arguments is bound._arguments
 
     x2, y2 = torch.ones(64), torch.ones(64)
     assert bound({"x": x2, "y": y2, "flag": None})
@@ -328,6 +331,10 @@ def test_bound_launches_match_the_usual_path():
             call(*row)
     assert [call(*row) for row in rows] == [1] * len(rows)
     assert len(kernel._direct.bound[(("n", 4096), ("D", 16))]) == 3
+    # A scalar set called once (a packed batch's token count) is remembered, not bound.
+    assert call(0, 333) == 0
+    assert (("n", 333), ("D", 16)) in kernel._direct.seen_once
+    assert (("n", 333), ("D", 16)) not in kernel._direct.bound
     with bound_launches(False):
         assert call(0, 4096) == 0
     kernel._chosen = {}            # what tests do to force configs: the bound set goes too
