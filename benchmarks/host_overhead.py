@@ -1,13 +1,16 @@
 """Host time per call of the norm path, layer by layer (GPU only).
 
     python -m benchmarks.host_overhead [--rows 16] [--width 4096] [--calls 2000]
+                                       [--bound-ab ROUNDS] [--profile]
 
 At a tiny shape the GPU work is a few microseconds, so the wall time of a long loop of
 calls (synchronised once at the end) is what the host spends per call. Printed for: the
-raw Triton launch of the forward kernel, the same launch through our tuning layer,
-``norm_fwd``, ``RMSNorm`` forward (no grad), RMSNorm forward + backward, and
-``torch.nn.functional.rms_norm`` for comparison. The differences say where a step's
-host time goes when the kernels fill too little of it (benchmarks/profile_case.py).
+raw Triton launch of the forward kernel, the same launch through our tuning layer and as
+a bound launch (``TunedKernel.launch_bound``), ``norm_fwd``, ``RMSNorm`` forward (no
+grad), RMSNorm forward + backward, and ``torch.nn.functional.rms_norm`` for comparison.
+The differences say where a step's host time goes when the kernels fill too little of
+it (benchmarks/profile_case.py). ``--bound-ab`` then times RMSNorm's forward + backward
+with bound launches on and off in interleaved rounds (host speed drifts within a call).
 """
 from __future__ import annotations
 
