@@ -299,11 +299,8 @@ class DirectLauncher:
             device: int) -> None:
         """Launch a compiled ``entry`` with ``args`` (the caller's and the config's
         meta-parameters) on ``grid``, on the current stream of ``device``."""
-        run, function, packed_metadata, _ = entry
-        stream = torch._C._cuda_getCurrentRawStream(device)
         self.stats["direct"] += 1
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            stream, function, packed_metadata, None, None, None, *self.values(args))
+        _call_launcher(entry, grid, device, self.values(args))
 
     def launch(self, jit_fn, config: Any, grid: Sequence[int], args: Mapping[str, Any],
                options: Mapping[str, Any]):
@@ -343,14 +340,14 @@ class BoundLaunch:
     returns False without launching, and the caller takes the usual path.
     """
 
-    __slots__ = ("_launcher", "_head", "_grid", "_values", "_arguments", "_run",
-                 "_function", "_packed", "_device")
+    __slots__ = ("_launcher", "_head", "_grid", "_values", "_arguments", "_entry",
+                 "_device")
 
     def __init__(self, launcher: DirectLauncher, head: tuple, grid: Sequence[int],
                  values: list, arguments: Callable, entry: tuple, device: int) -> None:
         self._launcher, self._head, self._grid, self._device = launcher, head, grid, device
         self._values, self._arguments = values, arguments
-        self._run, self._function, self._packed, _ = entry
+        self._entry = entry
 
     def __call__(self, tensors: Mapping[str, torch.Tensor | None]) -> bool:
         launcher = self._launcher
@@ -363,10 +360,20 @@ class BoundLaunch:
         if values is None:
             return False
         launcher.stats["bound"] += 1
-        grid = self._grid
-        self._run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self._device),
-                  self._function, self._packed, None, None, None, *values)
+        _call_launcher(self._entry, self._grid, self._device, values)
         return True
+
+
+def _call_launcher(entry: tuple, grid: Sequence[int], device: int, values: list) -> None:
+    """Call a compiled ``entry``'s launcher as Triton does (3.3 through 3.9 alike): the
+    grid (padded to three dims), the current stream of ``device``, the function handle,
+    the packed metadata, then the launch metadata and the enter / exit hooks (None: the
+    callers send launches through Triton whenever a hook is set), then every parameter's
+    value in signature order."""
+    run, function, packed_metadata, _ = entry
+    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device), function, packed_metadata,
+        None, None, None, *values)
 
 
 def _bound_arguments(slots: Mapping[str, tuple[int, tuple | None]]):
