@@ -22,6 +22,18 @@ from tests.helpers import fresh_seed  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+# ``with torch.device(...)`` finds the factory functions it redirects by identity, in a
+# set built once per process at its first use. Built while the poisoned ``torch.empty``
+# below is installed, the set would hold that test's stand-in, and ``torch.empty`` inside
+# every later ``with torch.device("meta")`` would allocate real CPU memory (the model
+# configs' meta-device checks then build real layers and draw from the global RNG,
+# giving each model other weights than in a plain process). Build it now, unpatched.
+try:
+    from torch.utils._device import _device_constructors
+    _device_constructors()
+except ImportError:  # a private helper: newer PyTorch may name it otherwise
+    pass
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_poison: do not poison torch.empty in this test")

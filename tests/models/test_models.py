@@ -311,6 +311,18 @@ def test_bad_configs():
                             attn={"layers": [0], "num_heads": 4, "window": 8})
 
 
+
+def test_configs_draw_no_random_numbers():
+    """A config checks its layers by building them on the meta device: that must neither
+    allocate nor draw from the global RNG, so that a model's weights after
+    ``torch.manual_seed`` do not depend on the config (nor on this test run's patched
+    ``torch.empty``, see conftest)."""
+    with torch.device("meta"):
+        assert torch.empty(2).is_meta
+    state = torch.random.get_rng_state()
+    GLAConfig(hidden_size=512, num_heads=4, num_hidden_layers=4, vocab_size=1000)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
 # ------------------------------------------------------------------------------- GPU
 GPU_CONFIGS = {
     "delta_net": lambda: DeltaNetConfig(hidden_size=512, num_heads=4, num_hidden_layers=4,
