@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fla.modules.layernorm import _Norm, check_hidden_size, normalize
+from fla.modules.layernorm import _Norm, normalize
 from fla.modules.layernorm_kernels import ACTIVATIONS
 from fla.utils.validation import check_tensor
 
@@ -79,10 +79,10 @@ class FusedRMSNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
-        check_tensor("x", x)
-        check_hidden_size(x, self.hidden_size)
-        return rms_norm_gated(x, g, self.weight, self.bias, self.activation, residual,
-                              prenorm, residual_in_fp32, self.eps)
+        # (the activation was checked when the module was built)
+        return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
+                         residual_in_fp32, is_rms_norm=True, activation=self.activation,
+                         hidden_size=self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
@@ -99,10 +99,9 @@ class FusedLayerNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
-        check_tensor("x", x)
-        check_hidden_size(x, self.hidden_size)
-        return layer_norm_gated(x, g, self.weight, self.bias, self.activation, residual,
-                                prenorm, residual_in_fp32, self.eps)
+        return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
+                         residual_in_fp32, activation=self.activation,
+                         hidden_size=self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"

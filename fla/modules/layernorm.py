@@ -67,13 +67,16 @@ def check_hidden_size(x: torch.Tensor, hidden_size: int) -> None:
 
 
 def check_norm_inputs(x, weight, bias, residual=None, g=None, eps=1e-5, num_groups=1,
-                      activation=None) -> int:
+                      activation=None, hidden_size=None) -> int:
     """Every rule of a norm call, before anything runs; returns the ACTIVATION code.
+    ``hidden_size``: the width a module was built for (None: any).
     (Written for the common case's host time: every norm of a model runs it per call.)"""
     check_tensor("x", x)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
     D = x.shape[-1]
+    if hidden_size is not None and D != hidden_size:
+        check_hidden_size(x, hidden_size)
     if num_groups.__class__ is not int or num_groups != 1:
         _check_groups(num_groups, D, "the hidden size (the last dim of x)")
     device = x.device
@@ -199,7 +202,7 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
               residual: torch.Tensor | None = None, g: torch.Tensor | None = None,
               eps: float = 1e-5, prenorm: bool = False, residual_in_fp32: bool = False,
               num_groups: int = 1, is_rms_norm: bool = False, activation: str | None = None,
-              output_dtype: torch.dtype | None = None):
+              output_dtype: torch.dtype | None = None, hidden_size: int | None = None):
     """The one entry point behind every norm of ``fla.modules`` (gated ones included).
 
     Args:
@@ -215,12 +218,16 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         activation: None, ``'swish'``/``'silu'`` or ``'sigmoid'``: y ⊙ act(g).
         output_dtype: y's dtype (None: x's). A float32 residual stream normed straight
             into the autocast dtype saves a cast pass forward and one backward.
+        hidden_size: the width D a module was built for: an x of another width is
+            refused (None: any D). The modules call this function directly, checks
+            included, so that a norm's call costs one layer of Python.
 
     Returns:
         y ``[..., D]`` in ``output_dtype`` (x's by default), or ``(y, s)`` with
         ``prenorm``.
     """
-    code = check_norm_inputs(x, weight, bias, residual, g, eps, num_groups, activation)
+    code = check_norm_inputs(x, weight, bias, residual, g, eps, num_groups, activation,
+                             hidden_size)
     if code and g is None:
         raise ValueError(f"g: a gate is required with activation={activation!r}, got None")
     eps = float(eps)
@@ -337,10 +344,9 @@ class RMSNorm(_Norm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False,
                 output_dtype: torch.dtype | None = None):
-        check_tensor("x", x)
-        check_hidden_size(x, self.hidden_size)
-        return rms_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                        residual_in_fp32, output_dtype)
+        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
+                         residual_in_fp32, is_rms_norm=True, output_dtype=output_dtype,
+                         hidden_size=self.hidden_size)
 
 
 class LayerNorm(_Norm):
@@ -354,10 +360,9 @@ class LayerNorm(_Norm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False,
                 output_dtype: torch.dtype | None = None):
-        check_tensor("x", x)
-        check_hidden_size(x, self.hidden_size)
-        return layer_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                          residual_in_fp32, output_dtype=output_dtype)
+        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
+                         residual_in_fp32, output_dtype=output_dtype,
+                         hidden_size=self.hidden_size)
 
 
 class GroupNorm(_Norm):
@@ -375,10 +380,9 @@ class GroupNorm(_Norm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False,
                 output_dtype: torch.dtype | None = None):
-        check_tensor("x", x)
-        check_hidden_size(x, self.hidden_size)
-        return group_norm(x, self.weight, self.bias, residual, self.eps, prenorm,
-                          residual_in_fp32, self.is_rms_norm, self.num_groups, output_dtype)
+        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
+                         residual_in_fp32, self.num_groups, self.is_rms_norm,
+                         output_dtype=output_dtype, hidden_size=self.hidden_size)
 
     def extra_repr(self) -> str:
         text = f"{self.num_groups}, {super().extra_repr()}"
