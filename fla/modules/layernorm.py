@@ -302,7 +302,12 @@ def group_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 # ---------------------------------------------------------------------------- modules
 class _Norm(nn.Module):
-    """Parameters and checks shared by the norm modules."""
+    """Parameters, checks and the forward shared by the norm modules (the gated ones
+    bring their own forward)."""
+
+    # Overridden by RMSNorm (class) and GroupNorm (instance).
+    is_rms_norm = False
+    num_groups = 1
 
     def __init__(self, hidden_size: int, elementwise_affine: bool, bias: bool, eps: float,
                  device=None, dtype=None):
@@ -324,6 +329,15 @@ class _Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                prenorm: bool = False, residual_in_fp32: bool = False,
+                output_dtype: torch.dtype | None = None):
+        """x ``[..., hidden_size]`` (and residual like it) -> y like x, or ``(y, s)``
+        with ``prenorm``; arguments as :func:`normalize`."""
+        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
+                         residual_in_fp32, self.num_groups, self.is_rms_norm,
+                         output_dtype=output_dtype, hidden_size=self.hidden_size)
+
     def extra_repr(self) -> str:
         text = f"{self.hidden_size}, eps={self.eps}"
         if not self.elementwise_affine:
@@ -337,16 +351,11 @@ class RMSNorm(_Norm):
     """RMSNorm over the last dim (see :func:`rms_norm`); weight ``[hidden_size]`` starts
     at ones, bias (``bias=True``) at zeros."""
 
+    is_rms_norm = True
+
     def __init__(self, hidden_size: int, elementwise_affine: bool = True, bias: bool = False,
                  eps: float = 1e-5, device=None, dtype=None):
         super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False,
-                output_dtype: torch.dtype | None = None):
-        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
-                         residual_in_fp32, is_rms_norm=True, output_dtype=output_dtype,
-                         hidden_size=self.hidden_size)
 
 
 class LayerNorm(_Norm):
@@ -356,13 +365,6 @@ class LayerNorm(_Norm):
     def __init__(self, hidden_size: int, elementwise_affine: bool = True, bias: bool = True,
                  eps: float = 1e-5, device=None, dtype=None):
         super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False,
-                output_dtype: torch.dtype | None = None):
-        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
-                         residual_in_fp32, output_dtype=output_dtype,
-                         hidden_size=self.hidden_size)
 
 
 class GroupNorm(_Norm):
@@ -376,13 +378,6 @@ class GroupNorm(_Norm):
         super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
         self.num_groups = num_groups
         self.is_rms_norm = bool(is_rms_norm)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prenorm: bool = False, residual_in_fp32: bool = False,
-                output_dtype: torch.dtype | None = None):
-        return normalize(x, self.weight, self.bias, residual, None, self.eps, prenorm,
-                         residual_in_fp32, self.num_groups, self.is_rms_norm,
-                         output_dtype=output_dtype, hidden_size=self.hidden_size)
 
     def extra_repr(self) -> str:
         text = f"{self.num_groups}, {super().extra_repr()}"
