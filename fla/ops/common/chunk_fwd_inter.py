@@ -204,7 +204,11 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
         end = tl.load(segments + i_p * 3 + 2)
     else:
         i_n = i_p
-        first = i_p * 0
+        # 0, in a form the compiler cannot fold (T, a runtime argument, is never
+        # negative): from a constant first chunk the passes' register allocation spilled
+        # on sm_90 (Triton 3.6, bf16, K = 128: simple GLA's score-forming pass 144 B of
+        # stack, the delta rule's 184 B; 8 and 96 B with this; at K = 64 and 256 none).
+        first = (T < 0).to(tl.int32)
     bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     if not SPLIT:
         end = tl.cdiv(T, BT)
