@@ -53,6 +53,7 @@ from fla.ops.utils.index import (
     chunk_counts,
     first_chunk_row,
     locate_sequence,
+    runtime_zero,
     varlen_chunk_offsets,
 )
 from fla.ops.utils.state_tiles import (
@@ -204,11 +205,7 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
         end = tl.load(segments + i_p * 3 + 2)
     else:
         i_n = i_p
-        # 0, in a form the compiler cannot fold (T, a runtime argument, is never
-        # negative): from a constant first chunk the passes' register allocation spilled
-        # on sm_90 (Triton 3.6, bf16, K = 128: simple GLA's score-forming pass 144 B of
-        # stack, the delta rule's 184 B; 8 and 96 B with this; at K = 64 and 256 none).
-        first = (T < 0).to(tl.int32)
+        first = runtime_zero(T)  # not a constant 0: with one, the passes spilled
     bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     if not SPLIT:
         end = tl.cdiv(T, BT)
