@@ -27,12 +27,10 @@ HAS_CUDA = torch.cuda.is_available()
 # below is installed, the set would hold that test's stand-in, and ``torch.empty`` inside
 # every later ``with torch.device("meta")`` would allocate real CPU memory (the model
 # configs' meta-device checks then build real layers and draw from the global RNG,
-# giving each model other weights than in a plain process). Build it now, unpatched.
-try:
-    from torch.utils._device import _device_constructors
-    _device_constructors()
-except ImportError:  # a private helper: newer PyTorch may name it otherwise
-    pass
+# giving each model other weights than in a plain process). Build it now, unpatched,
+# by a first use.
+with torch.device("meta"):
+    torch.empty(0)
 
 
 def pytest_configure(config):

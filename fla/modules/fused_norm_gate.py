@@ -79,7 +79,8 @@ class FusedRMSNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
-        # (the activation was checked when the module was built)
+        _check_activation(self.activation)
+        check_tensor("g", g)
         return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
                          residual_in_fp32, is_rms_norm=True, activation=self.activation,
                          hidden_size=self.hidden_size)
@@ -99,6 +100,8 @@ class FusedLayerNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
+        _check_activation(self.activation)
+        check_tensor("g", g)
         return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
                          residual_in_fp32, activation=self.activation,
                          hidden_size=self.hidden_size)

@@ -72,11 +72,11 @@ def check_norm_inputs(x, weight, bias, residual=None, g=None, eps=1e-5, num_grou
     ``hidden_size``: the width a module was built for (None: any).
     (Written for the common case's host time: every norm of a model runs it per call.)"""
     check_tensor("x", x)
+    if hidden_size is not None and (x.dim() < 1 or x.shape[-1] != hidden_size):
+        check_hidden_size(x, hidden_size)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
     D = x.shape[-1]
-    if hidden_size is not None and D != hidden_size:
-        check_hidden_size(x, hidden_size)
     if num_groups.__class__ is not int or num_groups != 1:
         _check_groups(num_groups, D, "the hidden size (the last dim of x)")
     device = x.device

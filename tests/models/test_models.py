@@ -311,17 +311,18 @@ def test_bad_configs():
                             attn={"layers": [0], "num_heads": 4, "window": 8})
 
 
-
 def test_configs_draw_no_random_numbers():
     """A config checks its layers by building them on the meta device: that must neither
     allocate nor draw from the global RNG, so that a model's weights after
     ``torch.manual_seed`` do not depend on the config (nor on this test run's patched
     ``torch.empty``, see conftest)."""
     with torch.device("meta"):
-        assert torch.empty(2).is_meta
+        assert torch.empty(2).is_meta, "torch.device('meta') no longer redirects torch.empty " \
+            "(see the device-constructor set in tests/conftest.py)"
     state = torch.random.get_rng_state()
     GLAConfig(hidden_size=512, num_heads=4, num_hidden_layers=4, vocab_size=1000)
     assert torch.equal(torch.random.get_rng_state(), state)
+
 
 # ------------------------------------------------------------------------------- GPU
 GPU_CONFIGS = {
@@ -369,14 +370,17 @@ def test_gpu_model(name, seed):
         # bf16 against fp32, per token and as a whole. The whole-logits error has a heavy
         # tail in the GLA and RetNet models: a first position whose attention output is
         # near zero (q0·k0 ≈ 0 at random init) is blown up to unit size by the output
-        # norm, and the later positions read it. Over 40 id seeds per model on the H100
-        # (2026-11-27) the per-token median stayed within 4.7e-2 (retnet; 1e-2 and below
-        # for mamba2, rwkv6, rwkv7 and the transformer) while the whole-logits error
-        # reached 0.13 and single tokens 1.2. A kernel that breaks in bf16 moves the median.
+        # norm, and the later positions read it. Over 40 id seeds per model on an H200
+        # (2026-11-27): the per-token median at most 4.7e-2 (retnet; 1e-2 and below for
+        # mamba2, rwkv6, rwkv7 and the transformer), the 90th percentile 0.17, the whole
+        # logits 0.13, single tokens 1.2. Hence bars at about twice those: a bf16 fault
+        # over a tenth of the tokens or more fails here; the ops' own bf16 tests against
+        # float64 (ragged lengths included) are the fine check.
         per_token = ((out.double() - ref.double()).norm(dim=-1)
                      / ref.double().norm(dim=-1)).flatten()
-        assert per_token.median().item() <= 0.1, \
-            f"bf16: median per-token relative error {per_token.median().item():.3e} > 0.1"
+        for what, value, bar in (("median", per_token.median().item(), 0.1),
+                                 ("90th percentile", per_token.quantile(0.9).item(), 0.35)):
+            assert value <= bar, f"bf16: per-token relative error, {what} {value:.3e} > {bar}"
         assert_rel_close("bf16", out, ref, 0.25)
     mask = torch.ones_like(ids[:, :32])
     cached = half.generate(ids[:, :32], attention_mask=mask, max_new_tokens=16,

@@ -124,6 +124,10 @@ def test_input_errors():
         rms_norm_gated(x, torch.ones(2, 8, dtype=torch.int64), w, None)
     with pytest.raises(TypeError, match=r"g: expected a torch.Tensor, got NoneType"):
         rms_norm_gated(x, None, w, None)
+    with pytest.raises(TypeError, match=r"g: expected a torch.Tensor, got NoneType"):
+        FusedRMSNormGated(8)(x, None)
+    with pytest.raises(ValueError, match=r"hidden_size = 8.*last dim 0"):
+        FusedRMSNormGated(8)(torch.randn(2, 0), torch.randn(2, 0))
 
 
 @pytest.mark.gpu

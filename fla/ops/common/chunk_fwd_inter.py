@@ -205,7 +205,7 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
         end = tl.load(segments + i_p * 3 + 2)
     else:
         i_n = i_p
-        first = runtime_zero(T)  # not a constant 0: with one, the passes spilled
+        first = runtime_zero(T)  # not a constant 0: the K = 128 passes spilled more
     bos, T = locate_sequence(i_n, T, cu_seqlens, IS_VARLEN)
     if not SPLIT:
         end = tl.cdiv(T, BT)
