@@ -48,10 +48,18 @@ def layer_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | No
         y ``[..., D]`` in x's dtype, or ``(y, s)`` with ``prenorm``. Differentiable in x,
         g, weight, bias and residual.
     """
+    return _gated_norm(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32,
+                       eps, is_rms_norm)
+
+
+def _gated_norm(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps,
+                is_rms_norm, hidden_size=None):
+    """The gated norms' checks, then :func:`normalize` (``hidden_size``: a module's
+    width, None: any)."""
     _check_activation(activation)
     check_tensor("g", g)
     return normalize(x, weight, bias, residual, g, eps, prenorm, residual_in_fp32,
-                     is_rms_norm=is_rms_norm, activation=activation)
+                     is_rms_norm=is_rms_norm, activation=activation, hidden_size=hidden_size)
 
 
 def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None,
@@ -79,11 +87,8 @@ class FusedRMSNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
-        _check_activation(self.activation)
-        check_tensor("g", g)
-        return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
-                         residual_in_fp32, is_rms_norm=True, activation=self.activation,
-                         hidden_size=self.hidden_size)
+        return _gated_norm(x, g, self.weight, self.bias, self.activation, residual, prenorm,
+                           residual_in_fp32, self.eps, True, self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
@@ -100,11 +105,8 @@ class FusedLayerNormGated(_Norm):
 
     def forward(self, x: torch.Tensor, g: torch.Tensor, residual: torch.Tensor | None = None,
                 prenorm: bool = False, residual_in_fp32: bool = False):
-        _check_activation(self.activation)
-        check_tensor("g", g)
-        return normalize(x, self.weight, self.bias, residual, g, self.eps, prenorm,
-                         residual_in_fp32, activation=self.activation,
-                         hidden_size=self.hidden_size)
+        return _gated_norm(x, g, self.weight, self.bias, self.activation, residual, prenorm,
+                           residual_in_fp32, self.eps, False, self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
