@@ -9,6 +9,7 @@ import torch
 from fla.ops.utils import (
     chunk_local_cumsum,
     chunk_local_cumsum_bwd,
+    chunk_local_cumsum_fwd,
     prepare_chunk_indices,
     prepare_chunk_offsets,
     prepare_lens,
@@ -219,6 +220,30 @@ def test_chunk_local_cumsum_backward(device, seed, reverse):
     # The stage-level backward is the cumsum in the other direction.
     dg = chunk_local_cumsum_bwd(w, 32, reverse=reverse, scale=0.5, cu_seqlens=cu)
     assert_rel_close("chunk_local_cumsum_bwd", dg, g64.grad, 1e-6)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_chunk_local_cumsum_sum_parts(monkeypatch, device, seed, parts, backend):
+    # A backward stage's per-K-tile partial sums of ∂L/∂γ, added as the cumsum loads them:
+    # equal to summing them first (float64), under varlen, and differentiable in each part.
+    if backend == "torch":
+        monkeypatch.setenv("FLA_BACKEND", "torch")
+        device = "cpu"
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, 1, 150, 64)
+    cu = cu_seqlens_of(lengths, device)
+    g = randn((parts, 1, sum(lengths), 3), gen, device=device).requires_grad_()
+    out = chunk_local_cumsum_fwd(g, 64, reverse=True, cu_seqlens=cu, sum_parts=True)
+    assert out.shape == g.shape[1:] and out.dtype == torch.float32
+    ref = ref_chunk_local_cumsum(g.detach().double().sum(0), 64, True, None, cu.tolist())
+    assert_rel_close("o", out, ref, 1e-6)
+    w = randn(out.shape, gen, device=device)
+    (out * w).sum().backward()
+    dref = ref_chunk_local_cumsum(w.double(), 64, False, None, cu.tolist())
+    for p in range(parts):
+        assert_rel_close(f"dg part {p}", g.grad[p], dref, 1e-6)
 
 
 def ref_chunk_local_cumsum_autograd(g, chunk_size, reverse, scale, offsets):

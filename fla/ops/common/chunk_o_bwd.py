@@ -271,6 +271,7 @@ def chunk_bwd_dqkwg(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
+    dg_parts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of q, k, w and γ through O and the state update, per chunk.
 
@@ -292,11 +293,15 @@ def chunk_bwd_dqkwg(
             states leaving each chunk (``chunk_gated_delta_rule_bwd_dhu``).
         scale: the output scale (default ``K ** -0.5``).
         cu_seqlens, chunk_size, chunk_indices: as in the other chunk stages.
+        dg_parts: return dg unsummed, ``[NK, B, T, H]`` with one partial sum per 64-wide
+            K tile (NK = ceil(K / 64)), for ``chunk_local_cumsum_fwd(..., sum_parts=True)``
+            to add as it loads them.
 
     Returns:
         ``(dq, dk, dw, dg)``: dq, dk in k's dtype and dw in w's dtype ``[B, T, H, K]`` (dk is
         only the part through O and S'; the WY stage adds the rest); dg ``[B, T, H]`` float32
-        is ∂L/∂γ per token through these terms (None when g is None). The caller adds the
+        (``[NK, B, T, H]`` with ``dg_parts``) is ∂L/∂γ per token through these terms (None
+        when g is None). The caller adds the
         WY stage's dγ and applies a reverse chunk-local cumsum to get the raw gate's gradient.
     """
     check_kernel_device(q, k, v_new, w, g, h, dv2, do, dh)
@@ -326,5 +331,6 @@ def chunk_bwd_dqkwg(
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
     )
     if dg is not None:
-        dg = dg[0] if NK == 1 else dg.sum(0)
+        if not dg_parts:
+            dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg

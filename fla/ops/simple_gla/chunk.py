@@ -144,11 +144,12 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
         Aqk=Aqk, segment_chunks=0 if segment_states is None else _segment_chunks(k, v, offsets),
         offsets=offsets, **varlen)
     dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
-                                    chunk_size=CHUNK_SIZE, **varlen)
+                                    chunk_size=CHUNK_SIZE, dg_parts=True, **varlen)
     if dg is not None:
-        # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
+        # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ,
+        # the cumsum adding the K tiles' partial sums as it reads them.
         dg = chunk_local_cumsum_fwd(dg, CHUNK_SIZE, reverse=True, output_dtype=g_dtype,
-                                    **varlen)
+                                    sum_parts=True, **varlen)
     return dq, dk, dv, dg, None if initial_state is None else dh0.to(initial_state.dtype)
 
 

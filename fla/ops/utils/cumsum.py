@@ -8,6 +8,10 @@ Chunks are ``chunk_size`` consecutive tokens counted from the start of each sequ
 may be partial. Its gradient is the same sum in the other direction
 (:func:`chunk_local_cumsum_bwd`). The kernel runs behind the custom op
 ``fla::chunk_local_cumsum``, so that ``torch.compile`` traces through it.
+
+A backward stage that splits K over programs leaves ∂L/∂γ as one partial sum per K tile
+(``[P, B, T, H]``); ``chunk_local_cumsum_fwd(..., sum_parts=True)`` adds the P parts as it
+loads them, so they need no summing pass of their own before the reverse sum.
 """
 from __future__ import annotations
 
@@ -59,8 +63,9 @@ def _config_space(args) -> list[Config]:
             for bs in widths if BT * bs <= 2 * _TILE_ELEMENTS for w in (2, 4, 8)]
 
 
-@tuned(key=["g", "o", "S", "BT", "HEAD_FIRST"], default=_default_config, space=_config_space)
-@triton.jit(do_not_specialize=["T"])
+@tuned(key=["g", "o", "S", "BT", "HEAD_FIRST", "P"], default=_default_config,
+       space=_config_space)
+@triton.jit(do_not_specialize=["T", "part_stride"])
 def chunk_local_cumsum_kernel(
     g,
     o,
@@ -68,8 +73,10 @@ def chunk_local_cumsum_kernel(
     cu_seqlens,
     chunk_indices,
     T,
+    part_stride,
     H: tl.constexpr,
     S: tl.constexpr,
+    P: tl.constexpr,
     BT: tl.constexpr,
     BS: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -81,7 +88,8 @@ def chunk_local_cumsum_kernel(
 
     ``g``/``o`` are ``[B, T, H, S]`` (``HEAD_FIRST``: ``[B, H, T, S]``), contiguous.
     The launcher views scalar gates as a single channel or folds time-major heads into
-    the channels, so one kernel serves scalar and vector gates.
+    the channels, so one kernel serves scalar and vector gates. With P > 1, ``g`` holds P
+    such tensors ``part_stride`` elements apart, summed (in fp32) before the cumsum.
     """
     i_t, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -110,6 +118,8 @@ def chunk_local_cumsum_kernel(
     # Rows past the sequence end load as 0: they sit after the valid rows, so neither
     # the prefix nor the suffix sums of valid rows see them.
     b_g = tl.load(g + offsets, mask=mask, other=0).to(tl.float32)
+    for i_p in tl.static_range(1, P):
+        b_g += tl.load(g + i_p * part_stride + offsets, mask=mask, other=0).to(tl.float32)
     b_o = tl.cumsum(b_g, axis=0, reverse=REVERSE)
     if HAS_SCALE:
         b_o = b_o * scale
@@ -152,22 +162,25 @@ def check_chunk_indices(chunk_indices, cu_seqlens, device) -> None:
 
 
 def _cumsum_triton(g, chunk_size, reverse, scale, cu_seqlens, head_first, output_dtype,
-                   chunk_indices):
+                   chunk_indices, sum_parts=False):
     """The launch, on chunk_indices built beforehand under varlen (a host read of the
-    offsets: never inside the op)."""
+    offsets: never inside the op). ``sum_parts``: g is ``[P, *shape]``, summed over P."""
     g = g.contiguous()
-    B = g.shape[0]
-    T = g.shape[2] if head_first else g.shape[1]
-    H = g.shape[1] if head_first else g.shape[2]
-    S = g.shape[3] if g.dim() == 4 else 1
-    o = torch.empty(g.shape, dtype=output_dtype, device=g.device)
+    P = g.shape[0] if sum_parts else 1
+    shape = g.shape[1:] if sum_parts else g.shape
+    B = shape[0]
+    T = shape[2] if head_first else shape[1]
+    H = shape[1] if head_first else shape[2]
+    S = shape[3] if len(shape) == 4 else 1
+    o = torch.empty(shape, dtype=output_dtype, device=g.device)
     if not head_first:
         # Time-major: heads and channels of one token are contiguous, one wide axis.
         H, S = 1, H * S
     NT = cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     chunk_local_cumsum_kernel[lambda meta: (NT, cdiv(S, meta["BS"]), B * H)](
         g=g, o=o, scale=1.0 if scale is None else float(scale), cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, T=T, H=H, S=S, BT=chunk_size, REVERSE=bool(reverse),
+        chunk_indices=chunk_indices, T=T, part_stride=o.numel() if P > 1 else 0, H=H, S=S,
+        P=P, BT=chunk_size, REVERSE=bool(reverse),
         HAS_SCALE=scale is not None, IS_VARLEN=cu_seqlens is not None,
         HEAD_FIRST=bool(head_first))
     return o
@@ -187,14 +200,16 @@ _chunk_list = outside_graph(prepare_chunk_indices)
 _cumsum_op = stage_op(
     "chunk_local_cumsum", _cumsum_triton, label="chunk_local_cumsum",
     schema="(Tensor g, int chunk_size, bool reverse, float? scale, Tensor? cu_seqlens, "
-           "bool head_first, ScalarType output_dtype, Tensor? chunk_indices) -> Tensor",
+           "bool head_first, ScalarType output_dtype, Tensor? chunk_indices, "
+           "bool sum_parts=False) -> Tensor",
            ahead=False)
 
 
 def _setup_context(ctx, inputs, output):
-    g, chunk_size, reverse, scale, cu_seqlens, head_first, _, chunk_indices = inputs
+    g, chunk_size, reverse, scale, cu_seqlens, head_first, _, chunk_indices, *rest = inputs
     ctx.save_for_backward(cu_seqlens, chunk_indices)
     ctx.args = (chunk_size, reverse, scale, head_first, g.dtype)
+    ctx.parts = g.shape[0] if rest and rest[0] else None
 
 
 def _backward_formula(ctx, do):
@@ -202,7 +217,10 @@ def _backward_formula(ctx, do):
     chunk_size, reverse, scale, head_first, g_dtype = ctx.args
     dg = _cumsum_op(do, chunk_size, not reverse, scale, cu_seqlens, head_first, g_dtype,
                     chunk_indices)
-    return dg, None, None, None, None, None, None, None
+    if ctx.parts is not None:
+        # Every part enters the sum alike.
+        dg = dg.unsqueeze(0).expand(ctx.parts, *dg.shape)
+    return dg, None, None, None, None, None, None, None, None
 
 
 _cumsum_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -230,20 +248,24 @@ def _cumsum_torch(g, chunk_size, reverse, scale, offsets, head_first, output_dty
 
 def chunk_local_cumsum_fwd(g, chunk_size, reverse=False, scale=None, cu_seqlens=None,
                            head_first=False, output_dtype=torch.float32, chunk_indices=None,
-                           offsets=None):
+                           offsets=None, sum_parts=False):
     """:func:`chunk_local_cumsum` without input checks (for stages that validated already).
 
-    ``offsets`` is the host copy of ``cu_seqlens`` when the caller has it.
+    ``offsets`` is the host copy of ``cu_seqlens`` when the caller has it. ``sum_parts``:
+    ``g`` is ``[P, *gate shape]``, P partial sums (one per K tile of a backward stage)
+    whose total is cumsummed; the result has the gate's shape.
     """
     output_dtype = output_dtype or g.dtype
     if select_backend(g) is Backend.TORCH:
+        if sum_parts:
+            g = g.sum(0, dtype=torch.float32)
         if cu_seqlens is not None and offsets is None:
             offsets = cu_seqlens.tolist()
         return _cumsum_torch(g, chunk_size, reverse, scale, offsets, head_first, output_dtype)
     if cu_seqlens is not None and chunk_indices is None:
         chunk_indices = _chunk_list(cu_seqlens, chunk_size, cu_seqlens_cpu=offsets)
     return _cumsum_op(g, chunk_size, reverse, scale, cu_seqlens, head_first, output_dtype,
-                      chunk_indices)
+                      chunk_indices, bool(sum_parts))
 
 
 def chunk_local_cumsum_bwd(do, chunk_size, reverse=False, scale=None, cu_seqlens=None,
