@@ -11,9 +11,11 @@ is simple GLA ``S_t = exp(g_t) S_{t-1} + k_t ⊗ v_t, o_t = S_tᵀ q_t`` with
     q = C,  k = B,  v = dt · x,  g = dt · A,  scale = 1,  S = hᵀ  (N×P: K = N, V = P)
 
 so this module only prepares those tensors with differentiable torch ops, calls the
-chunked simple GLA op, and adds the D skip and the z gate. Every gradient (x, dt, A, B,
-C, D, z, dt_bias, initial_states) comes from autograd through these ops and the simple
-GLA op's own backward; nothing here needs a kernel of its own.
+chunked simple GLA op, and adds the D skip and the z gate in one kernel
+(:mod:`fla.ops.mamba2.skip_gate`: in PyTorch ops over float32 copies that epilogue moved
+most of the forward's bytes). Every gradient (x, dt, A, B, C, D, z, dt_bias,
+initial_states) comes from autograd through these ops, the simple GLA op's backward
+and the epilogue's.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fla.ops.mamba2.skip_gate import skip_and_gate
 from fla.ops.simple_gla.chunk import chunk_simple_gla
 from fla.ops.simple_gla.fused_recurrent import fused_recurrent_simple_gla
 from fla.utils.validation import (
@@ -214,19 +217,17 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     dt = dt.clamp(min=float(dt_limit[0]), max=float(dt_limit[1]))
 
     y, final = ssd_as_simple_gla(x, dt, A, B, C, D, initial_states, cu_seqlens,
-                                 return_final_states)
-    if z is not None:
-        y = y * F.silu(z.float())
-    y = y.to(x.dtype)
+                                 return_final_states, z=z)
     if not return_final_states:
         return y
     return y, final
 
 
 def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=None,
-                      output_final_state=False, recurrent=False):
+                      output_final_state=False, recurrent=False, z=None):
     """The SSD recurrence as simple GLA (q = C, k = B, v = dt·x, g = dt·A, scale = 1)
-    plus the D skip, on time steps already processed (bias, softplus, clamp, padding).
+    plus the D skip and the z gate (one kernel: :func:`skip_and_gate`), on time steps
+    already processed (bias, softplus, clamp, padding).
 
     Shared by :func:`mamba_chunk_scan_combined` (chunked) and the Mamba2 layer's
     multi-token recurrent mode (``recurrent=True``: ``fused_recurrent_simple_gla``).
@@ -234,25 +235,24 @@ def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=No
     Args:
         x: ``[b, T, H, P]``; dt: ``[b, T, H]`` float32; A: ``[H]``;
         B, C: ``[b, T, G, N]``; D: ``[H]`` or ``[H, P]`` or None;
-        initial_states: ``[Ns, H, P, N]`` (Mamba's layout) or None.
+        initial_states: ``[Ns, H, P, N]`` (Mamba's layout) or None;
+        z: ``[b, T, H, P]`` gate or None.
     Returns:
-        ``(y [b, T, H, P] float32, final_states [Ns, H, P, N] float32 or None)``.
+        ``(y [b, T, H, P] in x's dtype, final_states [Ns, H, P, N] float32 or None)``.
     """
     H = x.shape[2]
     g = dt * A.float()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
     q = _heads_of_groups(C.to(x.dtype), H)
     k = _heads_of_groups(B.to(x.dtype), H)
-    v = (dt[..., None] * x.float()).to(x.dtype)
+    # (x promoted inside the multiply: no float32 copy of x of its own.)
+    v = torch.mul(x, dt[..., None]).to(x.dtype)
     # Mamba keeps h as [P, N]; simple GLA keeps S = hᵀ as [K, V] = [N, P].
     h0 = None if initial_states is None else initial_states.float().transpose(-1, -2)
     op = fused_recurrent_simple_gla if recurrent else chunk_simple_gla
     o, final = op(q, k, v, g=g, scale=1.0, initial_state=h0,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    # Skip in float32, rounded by the caller.
-    y = o.float()
-    if D is not None:
-        y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
+    y = skip_and_gate(o, x, D, z)
     if final is not None:
         final = final.float().transpose(-1, -2).contiguous()
     return y, final
