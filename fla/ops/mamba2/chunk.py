@@ -13,7 +13,8 @@ is simple GLA ``S_t = exp(g_t) S_{t-1} + k_t ⊗ v_t, o_t = S_tᵀ q_t`` with
 so this module only prepares those tensors with differentiable torch ops, calls the
 chunked simple GLA op, and adds the D skip and the z gate in one kernel
 (:mod:`fla.ops.mamba2.skip_gate`: in PyTorch ops over float32 copies that epilogue moved
-most of the forward's bytes). Every gradient (x, dt, A, B, C, D, z, dt_bias,
+most of the forward's bytes); the operands q, k (B and C per head) and v = dt·x are one
+kernel each too (:mod:`fla.ops.mamba2.operands`). Every gradient (x, dt, A, B, C, D, z, dt_bias,
 initial_states) comes from autograd through these ops, the simple GLA op's backward
 and the epilogue's.
 """
@@ -24,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fla.ops.mamba2.operands import heads_of_groups, scaled_input
 from fla.ops.mamba2.skip_gate import skip_and_gate
 from fla.ops.simple_gla.chunk import chunk_simple_gla
 from fla.ops.simple_gla.fused_recurrent import fused_recurrent_simple_gla
@@ -148,15 +150,6 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     return cu_seqlens
 
 
-def _heads_of_groups(t: torch.Tensor, H: int) -> torch.Tensor:
-    """``[b, T, G, N]`` -> ``[b, T, H, N]``, head h reading group h // (H // G). Built with
-    expand + reshape (a copy), so autograd sums the heads' gradients into their group."""
-    b, T, G, N = t.shape
-    if G == H:
-        return t
-    return t[:, :, :, None, :].expand(b, T, G, H // G, N).reshape(b, T, H, N)
-
-
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None,
                               dt_softplus=False, dt_limit=(0.0, float("inf")),
@@ -243,10 +236,9 @@ def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=No
     H = x.shape[2]
     g = dt * A.float()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
-    q = _heads_of_groups(C.to(x.dtype), H)
-    k = _heads_of_groups(B.to(x.dtype), H)
-    # (x promoted inside the multiply: no float32 copy of x of its own.)
-    v = torch.mul(x, dt[..., None]).to(x.dtype)
+    q = heads_of_groups(C.to(x.dtype), H)
+    k = heads_of_groups(B.to(x.dtype), H)
+    v = scaled_input(x, dt)
     # Mamba keeps h as [P, N]; simple GLA keeps S = hᵀ as [K, V] = [N, P].
     h0 = None if initial_states is None else initial_states.float().transpose(-1, -2)
     op = fused_recurrent_simple_gla if recurrent else chunk_simple_gla
