@@ -14,7 +14,8 @@ so this module only prepares those tensors with differentiable torch ops, calls 
 chunked simple GLA op, and adds the D skip and the z gate in one kernel
 (:mod:`fla.ops.mamba2.skip_gate`: in PyTorch ops over float32 copies that epilogue moved
 most of the forward's bytes); the operands q, k (B and C per head) and v = dt·x are one
-kernel each too (:mod:`fla.ops.mamba2.operands`). Every gradient (x, dt, A, B, C, D, z, dt_bias,
+kernel each too (:mod:`fla.ops.mamba2.operands`), and so are the time steps and g
+(:mod:`fla.ops.mamba2.time_steps`). Every gradient (x, dt, A, B, C, D, z, dt_bias,
 initial_states) comes from autograd through these ops, the simple GLA op's backward
 and the epilogue's.
 """
@@ -23,10 +24,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from fla.ops.mamba2.operands import heads_of_groups, scaled_input
 from fla.ops.mamba2.skip_gate import skip_and_gate
+from fla.ops.mamba2.time_steps import time_steps
 from fla.ops.simple_gla.chunk import chunk_simple_gla
 from fla.ops.simple_gla.fused_recurrent import fused_recurrent_simple_gla
 from fla.utils.validation import (
@@ -202,15 +203,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
     # Time steps and log decays in float32 whatever the inputs: dt·A summed over a chunk
     # is the exponent of every decay, and 16-bit rounding there is amplified by exp.
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    dt = dt.clamp(min=float(dt_limit[0]), max=float(dt_limit[1]))
-
-    y, final = ssd_as_simple_gla(x, dt, A, B, C, D, initial_states, cu_seqlens,
-                                 return_final_states, z=z)
+    dt, g = time_steps(dt, A, dt_bias, dt_softplus, dt_limit[0], dt_limit[1])
+    y, final = _ssd(x, dt, g, B, C, D, initial_states, cu_seqlens, return_final_states,
+                    False, z)
     if not return_final_states:
         return y
     return y, final
@@ -233,8 +228,13 @@ def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=No
     Returns:
         ``(y [b, T, H, P] in x's dtype, final_states [Ns, H, P, N] float32 or None)``.
     """
+    return _ssd(x, dt, dt * A.float(), B, C, D, initial_states, cu_seqlens,
+                output_final_state, recurrent, z)
+
+
+def _ssd(x, dt, g, B, C, D, initial_states, cu_seqlens, output_final_state, recurrent, z):
+    """:func:`ssd_as_simple_gla` with the log decay ``g = dt·A`` ``[b, T, H]`` given."""
     H = x.shape[2]
-    g = dt * A.float()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
     q = heads_of_groups(C.to(x.dtype), H)
     k = heads_of_groups(B.to(x.dtype), H)
