@@ -3,7 +3,7 @@
     python scripts/compile_check.py [--arch 90] [--shape 1x256x4x128] [--dtype bf16]
                                     [--configs default|all] [--resources]
                                     [--only NAME[,NAME]] [--keep-cache] [--varlen]
-                                    [--ops gated_delta_rule,simple_gla]
+                                    [--ops gated_delta_rule,simple_gla,...,mamba2]
 
 Runs the chunk and fused recurrent ops of the chosen families (``--ops``) forward +
 backward on CPU tensors, but every launch of a tuned kernel is replaced by an offline
@@ -249,12 +249,15 @@ def main(argv=None) -> int:
                                                 fused_recurrent_dplr_delta_rule)
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
     from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6
+    from fla.ops.mamba2 import mamba_chunk_scan_combined
     families = {
         "gla": (chunk_gla, fused_recurrent_gla),
         "rwkv6": (chunk_rwkv6, fused_recurrent_rwkv6),
         "gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
         "simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
         "dplr": (chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule),
+        # Simple GLA's kernels behind Mamba2's own: time steps, operands, skip and gate.
+        "mamba2": (mamba_chunk_scan_combined,),
     }
     if args.split:
         import fla.ops.common.chunk_fwd_inter as inter
@@ -291,6 +294,13 @@ def main(argv=None) -> int:
                 else:  # the recurrent kernels with both gates
                     gv = torch.rand(B, T, H, D).neg().requires_grad_()
                     o, ht = call(q, k, v, gk, gv, initial_state=h0, output_final_state=True)
+            elif family == "mamba2":  # x [B, T, H, P = D], one group of B, C (N = D)
+                dt = torch.randn(B, T, H, dtype=dtype, requires_grad=True)
+                A, skip, dt_bias = (torch.randn(H, requires_grad=True) for _ in range(3))
+                Bm, Cm = (torch.randn(B, T, 1, D, dtype=dtype, requires_grad=True)
+                          for _ in range(2))
+                o, ht = call(q, dt, A, Bm, Cm, 64, D=skip, z=k, dt_bias=dt_bias,
+                             dt_softplus=True, initial_states=h0, return_final_states=True)
             elif family == "gated_delta_rule":
                 beta = torch.rand(B, T, H, dtype=dtype, requires_grad=True)
                 o, ht = call(q, k, v, g, beta, initial_state=h0, output_final_state=True)

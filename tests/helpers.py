@@ -199,3 +199,14 @@ def counted_segment_combines(monkeypatch) -> list[bool]:
     monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", counted)
     monkeypatch.setattr(chunk_delta_h_bwd, "combine_segment_states", counted)
     return combines
+
+
+def recorded_steps(monkeypatch, *ops) -> list[str]:
+    """The names of the given stage ops (``fla.utils.custom_ops.StageOp``) in the order
+    their steps run from here on: proof that a call took the Triton steps and not a
+    PyTorch fallback."""
+    calls: list[str] = []
+    for op in ops:
+        monkeypatch.setattr(op, "step", lambda *a, real=op.step, name=op.name:
+                            calls.append(name) or real(*a))
+    return calls

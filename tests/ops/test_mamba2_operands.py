@@ -7,7 +7,14 @@ import torch
 
 from fla.ops.mamba2 import operands
 from fla.ops.mamba2.operands import heads_of_groups, scaled_input
-from tests.helpers import TOLERANCE, assert_rel_close, generator, output_grad, randn
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    generator,
+    output_grad,
+    randn,
+    recorded_steps,
+)
 
 
 def check_heads_of_groups(b, T, G, H, N, dtype, device, seed):
@@ -62,11 +69,8 @@ def test_scaled_input_kernels(P, dtype, device, seed):
 @pytest.mark.interpret
 def test_kernels_run(device, seed, monkeypatch):
     """The Triton steps, not the PyTorch path, computed the results above."""
-    calls = []
-    for op in (operands._group_op, operands._sum_op, operands._scaled_fwd_op,
-               operands._scaled_bwd_op):
-        monkeypatch.setattr(op, "step", lambda *a, real=op.step, name=op.name:
-                            calls.append(name) or real(*a))
+    calls = recorded_steps(monkeypatch, operands._group_op, operands._sum_op,
+                           operands._scaled_fwd_op, operands._scaled_bwd_op)
     check_heads_of_groups(1, 9, 1, 4, 8, torch.float32, device, seed)
     check_scaled_input((1, 9, 2, 8), torch.float32, device, seed)
     assert calls == ["mamba2_group_heads", "mamba2_sum_group_heads",

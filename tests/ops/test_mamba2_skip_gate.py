@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from fla.ops.mamba2 import skip_gate
 from fla.ops.mamba2.skip_gate import skip_and_gate
-from tests.helpers import TOLERANCE, assert_rel_close, generator, output_grad, randn
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    generator,
+    output_grad,
+    randn,
+    recorded_steps,
+)
 
 
 def reference(o, x, D, z):
@@ -72,10 +79,7 @@ def test_kernels_wide_rows(device, seed):
 @pytest.mark.interpret
 def test_kernels_run(device, seed, monkeypatch):
     """The Triton steps, not the PyTorch path, computed the results above."""
-    calls = []
-    for op in (skip_gate._fwd_op, skip_gate._bwd_op):
-        monkeypatch.setattr(op, "step", lambda *a, real=op.step, name=op.name:
-                            calls.append(name) or real(*a))
+    calls = recorded_steps(monkeypatch, skip_gate._fwd_op, skip_gate._bwd_op)
     check_skip_gate((1, 9, 2, 8), torch.float32, device, seed)
     assert calls == ["mamba2_skip_gate_fwd", "mamba2_skip_gate_bwd"]
 

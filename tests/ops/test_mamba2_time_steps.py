@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fla.ops.mamba2 import time_steps as module
 from fla.ops.mamba2.time_steps import time_steps
-from tests.helpers import TOLERANCE, assert_rel_close, generator, randn
+from tests.helpers import TOLERANCE, assert_rel_close, generator, randn, recorded_steps
 
 
 def reference(dt, A, dt_bias, softplus, low, high):
@@ -81,10 +81,7 @@ def test_kernels_options(device, seed):
 @pytest.mark.interpret
 def test_kernels_run(device, seed, monkeypatch):
     """The Triton steps, not the PyTorch path, computed the results above."""
-    calls = []
-    for op in (module._fwd_op, module._bwd_op):
-        monkeypatch.setattr(op, "step", lambda *a, real=op.step, name=op.name:
-                            calls.append(name) or real(*a))
+    calls = recorded_steps(monkeypatch, module._fwd_op, module._bwd_op)
     check_time_steps((1, 9, 2), torch.float32, device, seed)
     assert calls == ["mamba2_time_steps_fwd", "mamba2_time_steps_bwd"]
 

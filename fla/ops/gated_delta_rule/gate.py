@@ -27,11 +27,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fla.ops.utils.elementwise import one_stage_default, one_stage_space, rows_per_program
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
 from fla.utils.grid import cdiv, next_power_of_2
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 from fla.utils.validation import (
     FLOAT_DTYPES,
     check_same_device,
@@ -45,23 +46,6 @@ __all__ = ["gated_delta_rule_gate", "gdn_gate_fwd_kernel", "gdn_gate_bwd_kernel"
 _SOFTPLUS_THRESHOLD = 20.0
 
 
-def _rows_per_program(H: int) -> int:
-    # 128 rows x BH heads: [B·T = 16384, H = 4] is 128 programs; fewer rows for many
-    # heads keep the fp32 tiles small.
-    return max(16, min(128, 4096 // next_power_of_2(H)))
-
-
-def _default(args) -> Config:
-    return Config(num_warps=4, num_stages=1)
-
-
-def _space(args) -> list[Config]:
-    # Rows per program are fixed by the launcher, not tuned: the backward's per-program
-    # partial sums then have one size whatever the config (tuning several BR over the
-    # same partials buffer would leave stale rows in it).
-    return [Config(num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
-
-
 @triton.jit
 def _softplus(z):
     # log(1 + e^z) = max(z, 0) + log(1 + e^{−|z|}): no overflow, no cancellation; z past
@@ -70,7 +54,7 @@ def _softplus(z):
     return tl.where(z > 20.0, z, tl.maximum(z, 0.) + tl.log(1. + tl.exp(-tl.abs(z))))
 
 
-@tuned(key=["H", "ab", "HAS_DT_BIAS"], default=_default, space=_space)
+@tuned(key=["H", "ab", "HAS_DT_BIAS"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def gdn_gate_fwd_kernel(ab, A_log, dt_bias, g, beta, beta_scale, R, H: tl.constexpr,
                         BH: tl.constexpr, BR: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
@@ -92,7 +76,8 @@ def gdn_gate_fwd_kernel(ab, A_log, dt_bias, g, beta, beta_scale, R, H: tl.conste
     tl.store(beta + p_o, b_beta.to(beta.dtype.element_ty), mask=m)
 
 
-@tuned(key=["H", "ab", "HAS_DT_BIAS", "HAS_DG", "HAS_DBETA"], default=_default, space=_space)
+@tuned(key=["H", "ab", "HAS_DT_BIAS", "HAS_DG", "HAS_DBETA"], default=one_stage_default,
+       space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def gdn_gate_bwd_kernel(ab, A_log, dt_bias, dg, dbeta, dab, dA_part, ddt_part, beta_scale, R,
                         H: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
@@ -141,7 +126,7 @@ def _gate_fwd(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | Non
     R = ab.numel() // (2 * H)
     g = torch.empty(*ab.shape[:-1], H, dtype=torch.float32, device=ab.device)
     beta = torch.empty(*ab.shape[:-1], H, dtype=ab.dtype, device=ab.device)
-    BR = _rows_per_program(H)
+    BR = rows_per_program(H)
     gdn_gate_fwd_kernel[(cdiv(R, BR),)](
         ab=ab, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, beta_scale=beta_scale, R=R,
         H=H, BH=next_power_of_2(H), BR=BR, HAS_DT_BIAS=dt_bias is not None)
@@ -154,7 +139,7 @@ def _gate_bwd(ab, A_log, dt_bias, beta_scale: float, dg, dbeta):
     H = ab.shape[-1] // 2
     R = ab.numel() // (2 * H)
     dab = torch.empty_like(ab)
-    BR = _rows_per_program(H)
+    BR = rows_per_program(H)
     programs = cdiv(R, BR)
     # One row of partial sums per program, every row written by every launch.
     dA_part = torch.empty(programs, H, dtype=torch.float32, device=ab.device)

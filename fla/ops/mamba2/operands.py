@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fla.ops.utils.elementwise import one_stage_default, one_stage_space, row_tile
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
 from fla.utils.grid import cdiv, next_power_of_2
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 
 __all__ = ["heads_of_groups", "scaled_input", "group_heads_kernel", "sum_group_heads_kernel",
            "scaled_input_fwd_kernel", "scaled_input_bwd_kernel"]
@@ -33,16 +34,8 @@ def _rows_per_program(width: int) -> int:
     return max(1, _TILE // next_power_of_2(width))
 
 
-def _default(args) -> Config:
-    return Config(num_warps=4, num_stages=1)
-
-
-def _space(args) -> list[Config]:
-    return [Config(num_warps=w, num_stages=1) for w in (2, 4, 8)]
-
-
 # ------------------------------------------------------------------------ heads of groups
-@tuned(key=["t", "G", "H", "N"], default=_default, space=_space)
+@tuned(key=["t", "G", "H", "N"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def group_heads_kernel(t, out, R, G: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                        BN: tl.constexpr, BR: tl.constexpr):
@@ -58,7 +51,7 @@ def group_heads_kernel(t, out, R, G: tl.constexpr, H: tl.constexpr, N: tl.conste
         tl.store(p_out + i_j * N, b_t, mask=m)
 
 
-@tuned(key=["dout", "G", "H", "N"], default=_default, space=_space)
+@tuned(key=["dout", "G", "H", "N"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def sum_group_heads_kernel(dout, dt, R, G: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                            BN: tl.constexpr, BR: tl.constexpr):
@@ -125,31 +118,23 @@ def heads_of_groups(t: torch.Tensor, H: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- dt ⊙ x
-@tuned(key=["x", "P"], default=_default, space=_space)
+@tuned(key=["x", "P"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def scaled_input_fwd_kernel(x, dt, v, R, P: tl.constexpr, BP: tl.constexpr,
                             BR: tl.constexpr):
     """Grid ``cdiv(R, BR)`` over R (token, head) rows: ``v [R, P] = dt[R] · x [R, P]``."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_p = tl.arange(0, BP)
-    m_r = o_r < R
-    m = m_r[:, None] & (o_p < P)[None, :]
-    p = o_r[:, None] * P + o_p[None, :]
+    o_r, m_r, _, _, m, p = row_tile(tl.program_id(0), 0, R, P, BR, BP)
     b_dt = tl.load(dt + o_r, mask=m_r, other=0.)
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
     tl.store(v + p, (b_x * b_dt[:, None]).to(v.dtype.element_ty), mask=m)
 
 
-@tuned(key=["x", "P"], default=_default, space=_space)
+@tuned(key=["x", "P"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def scaled_input_bwd_kernel(x, dt, dv, dx, ddt, R, P: tl.constexpr, BP: tl.constexpr,
                             BR: tl.constexpr):
     """Same grid: ``dx = dv · dt`` (x's dtype) and ``ddt = Σ_p dv · x`` (float32)."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_p = tl.arange(0, BP)
-    m_r = o_r < R
-    m = m_r[:, None] & (o_p < P)[None, :]
-    p = o_r[:, None] * P + o_p[None, :]
+    o_r, m_r, _, _, m, p = row_tile(tl.program_id(0), 0, R, P, BR, BP)
     b_dt = tl.load(dt + o_r, mask=m_r, other=0.)
     b_dv = tl.load(dv + p, mask=m, other=0.).to(tl.float32)
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)

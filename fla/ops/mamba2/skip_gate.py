@@ -24,11 +24,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fla.ops.utils.elementwise import one_stage_default, one_stage_space, row_tile
 from fla.ops.utils.partial_sums import sum_partials
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
 from fla.utils.grid import cdiv, next_power_of_2
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 
 __all__ = ["skip_and_gate", "skip_gate_fwd_kernel", "skip_gate_bwd_kernel"]
 
@@ -44,25 +45,14 @@ def _tile(C: int) -> tuple[int, int]:
     return _TILE // BC, BC
 
 
-def _default(args) -> Config:
-    return Config(num_warps=4, num_stages=1)
-
-
-def _space(args) -> list[Config]:
-    return [Config(num_warps=w, num_stages=1) for w in (2, 4, 8)]
-
-
-@tuned(key=["o", "x", "z", "C", "HAS_D", "HAS_Z"], default=_default, space=_space)
+@tuned(key=["o", "x", "z", "C", "HAS_D", "HAS_Z"], default=one_stage_default,
+       space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def skip_gate_fwd_kernel(o, x, D, z, y, R, C: tl.constexpr, BR: tl.constexpr,
                          BC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
     """Grid ``(cdiv(R, BR), cdiv(C, BC))`` over ``[R, C]`` rows of tokens: ``y`` from
     ``o``, ``x``, ``z`` (``[R, C]``) and ``D`` (``[C]`` float32)."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    m = (o_r < R)[:, None] & m_c[None, :]
-    p = o_r[:, None] * C + o_c[None, :]
+    _, _, o_c, m_c, m, p = row_tile(tl.program_id(0), tl.program_id(1), R, C, BR, BC)
     b_y = tl.load(o + p, mask=m, other=0.).to(tl.float32)
     if HAS_D:
         b_D = tl.load(D + o_c, mask=m_c, other=0.)
@@ -73,7 +63,8 @@ def skip_gate_fwd_kernel(o, x, D, z, y, R, C: tl.constexpr, BR: tl.constexpr,
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
-@tuned(key=["o", "x", "z", "C", "HAS_D", "HAS_Z"], default=_default, space=_space)
+@tuned(key=["o", "x", "z", "C", "HAS_D", "HAS_Z"], default=one_stage_default,
+       space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def skip_gate_bwd_kernel(o, x, D, z, dy, do, dx, dz, dD_part, R, C: tl.constexpr,
                          BR: tl.constexpr, BC: tl.constexpr, HAS_D: tl.constexpr,
@@ -81,11 +72,7 @@ def skip_gate_bwd_kernel(o, x, D, z, dy, do, dx, dz, dD_part, R, C: tl.constexpr
     """Same grid: ``do``, ``dx`` (with D), ``dz`` (with z) and this program's partial sum
     of dD over its BR rows (row ``program_id(0)`` of ``dD_part [cdiv(R, BR), C]``)."""
     i_r = tl.program_id(0)
-    o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
-    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    m = (o_r < R)[:, None] & m_c[None, :]
-    p = o_r[:, None] * C + o_c[None, :]
+    _, _, o_c, m_c, m, p = row_tile(i_r, tl.program_id(1), R, C, BR, BC)
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)
     if HAS_D:
         b_D = tl.load(D + o_c, mask=m_c, other=0.)

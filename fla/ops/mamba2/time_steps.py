@@ -27,27 +27,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fla.ops.utils.elementwise import (
+    one_stage_default,
+    one_stage_space,
+    row_tile,
+    rows_per_program,
+)
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import present, stage_op
 from fla.utils.grid import cdiv, next_power_of_2
-from fla.utils.tuning import Config, tuned
+from fla.utils.tuning import tuned
 
 __all__ = ["time_steps", "time_steps_fwd_kernel", "time_steps_bwd_kernel"]
-
-
-def _rows_per_program(H: int) -> int:
-    # BR x BH values a tile (4096 at most): [4·4096 tokens, 32 heads] is 128 programs.
-    return max(16, min(128, 4096 // next_power_of_2(H)))
-
-
-def _default(args) -> Config:
-    return Config(num_warps=4, num_stages=1)
-
-
-def _space(args) -> list[Config]:
-    # Rows per program are the launcher's (the backward's partials have one shape).
-    return [Config(num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
 
 
 @triton.jit
@@ -65,25 +57,21 @@ def _steps(dt, dt_bias, p, o_h, m, m_h, low, high, HAS_BIAS: tl.constexpr,
     return b_u, b_d, tl.minimum(tl.maximum(b_d, low), high)
 
 
-@tuned(key=["dt", "H", "HAS_BIAS", "SOFTPLUS"], default=_default, space=_space)
+@tuned(key=["dt", "H", "HAS_BIAS", "SOFTPLUS"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def time_steps_fwd_kernel(dt, A, dt_bias, dt_out, g, low, high, R, H: tl.constexpr,
                           BH: tl.constexpr, BR: tl.constexpr, HAS_BIAS: tl.constexpr,
                           SOFTPLUS: tl.constexpr):
     """One program per BR rows of ``dt [R, H]``: ``dt_out`` and ``g`` ``[R, H]`` float32."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_h = tl.arange(0, BH)
-    m_h = o_h < H
-    m = (o_r < R)[:, None] & m_h[None, :]
-    p = o_r[:, None] * H + o_h[None, :]
+    _, _, o_h, m_h, m, p = row_tile(tl.program_id(0), 0, R, H, BR, BH)
     _, _, b_dt = _steps(dt, dt_bias, p, o_h, m, m_h, low, high, HAS_BIAS, SOFTPLUS)
     b_A = tl.load(A + o_h, mask=m_h, other=0.).to(tl.float32)
     tl.store(dt_out + p, b_dt, mask=m)
     tl.store(g + p, b_dt * b_A[None, :], mask=m)
 
 
-@tuned(key=["dt", "H", "HAS_BIAS", "SOFTPLUS", "HAS_DDT", "HAS_DG"], default=_default,
-       space=_space)
+@tuned(key=["dt", "H", "HAS_BIAS", "SOFTPLUS", "HAS_DDT", "HAS_DG"], default=one_stage_default,
+       space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def time_steps_bwd_kernel(dt, A, dt_bias, ddt_out, dg, ddt, dA_part, dbias_part, low, high,
                           R, H: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
@@ -92,11 +80,7 @@ def time_steps_bwd_kernel(dt, A, dt_bias, ddt_out, dg, ddt, dA_part, dbias_part,
     """Same grid: ``ddt [R, H]`` (dt's dtype) and this program's partial sums of dA and
     ddt_bias (row ``program_id`` of ``[programs, H]`` float32, summed by the launcher)."""
     i_p = tl.program_id(0)
-    o_r = i_p.to(tl.int64) * BR + tl.arange(0, BR)
-    o_h = tl.arange(0, BH)
-    m_h = o_h < H
-    m = (o_r < R)[:, None] & m_h[None, :]
-    p = o_r[:, None] * H + o_h[None, :]
+    _, _, o_h, m_h, m, p = row_tile(i_p, 0, R, H, BR, BH)
     b_u, b_d, b_dt = _steps(dt, dt_bias, p, o_h, m, m_h, low, high, HAS_BIAS, SOFTPLUS)
     b_dd = tl.zeros([BR, BH], dtype=tl.float32)
     if HAS_DDT:
@@ -123,7 +107,7 @@ def _time_steps_fwd(dt, A, dt_bias, softplus: bool, low: float, high: float):
     R = dt.numel() // H
     dt_out = torch.empty(dt.shape, dtype=torch.float32, device=dt.device)
     g = torch.empty_like(dt_out)
-    BR = _rows_per_program(H)
+    BR = rows_per_program(H)
     time_steps_fwd_kernel[(cdiv(R, BR),)](
         dt=dt, A=A, dt_bias=dt_bias, dt_out=dt_out, g=g, low=low, high=high, R=R, H=H,
         BH=next_power_of_2(H), BR=BR, HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus)
@@ -135,7 +119,7 @@ def _time_steps_bwd(dt, A, dt_bias, softplus: bool, low: float, high: float, ddt
     without it)."""
     H = dt.shape[-1]
     R = dt.numel() // H
-    BR = _rows_per_program(H)
+    BR = rows_per_program(H)
     programs = cdiv(R, BR)
     ddt = torch.empty_like(dt)
     # One row of partial sums per program, every row written by every launch.

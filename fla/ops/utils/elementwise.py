@@ -1,0 +1,42 @@
+"""Shared pieces of the one-launch elementwise ops over token rows (Gated DeltaNet's gate,
+Mamba2's time steps, operands and output epilogue): their launch rules and the tile
+offsets of a row-major ``[R, C]`` tensor.
+
+These kernels have no loop: the tile a program owns is fixed by its launcher (a
+backward's per-program partial sums then have one shape whatever the config), so only
+the warps are tuned.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fla.utils.grid import next_power_of_2
+from fla.utils.tuning import Config
+
+__all__ = ["rows_per_program", "one_stage_default", "one_stage_space", "row_tile"]
+
+
+def rows_per_program(width: int) -> int:
+    """Rows of a ``width``-wide tile: 4096 values at most, 16 to 128 rows ([4·4096 tokens,
+    32 heads] is 128 programs)."""
+    return max(16, min(128, 4096 // next_power_of_2(width)))
+
+
+def one_stage_default(args) -> Config:
+    return Config(num_warps=4, num_stages=1)
+
+
+def one_stage_space(args) -> list[Config]:
+    return [Config(num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
+
+
+@triton.jit
+def row_tile(i_r, i_c, R, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Tile (i_r, i_c), BR rows x BC columns, of a contiguous ``[R, C]`` tensor:
+    ``(o_r, m_r, o_c, m_c, m, offsets)`` (rows int64, masks of rows, columns and both)."""
+    o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r = o_r < R
+    m_c = o_c < C
+    return o_r, m_r, o_c, m_c, m_r[:, None] & m_c[None, :], o_r[:, None] * C + o_c[None, :]
