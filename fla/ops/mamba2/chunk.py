@@ -235,6 +235,9 @@ def ssd_as_simple_gla(x, dt, A, B, C, D=None, initial_states=None, cu_seqlens=No
 def _ssd(x, dt, g, B, C, D, initial_states, cu_seqlens, output_final_state, recurrent, z):
     """:func:`ssd_as_simple_gla` with the log decay ``g = dt·A`` ``[b, T, H]`` given."""
     H = x.shape[2]
+    # x is read twice (v = dt·x and the D skip): one contiguous copy for both where it
+    # is a view (the Mamba2 layer's x is a slice of its xBC projection).
+    x = x.contiguous()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
     q = heads_of_groups(C.to(x.dtype), H)
     k = heads_of_groups(B.to(x.dtype), H)
