@@ -48,8 +48,10 @@ def check_scaled_input(shape, dtype, device, seed):
     (ref * dv.to(device)).sum().backward()
     assert x.grad.dtype == dtype and dt.grad.dtype == torch.float32
     assert_rel_close("dx", x.grad, x64.grad, tol)
-    # A sum over P of dv·x with fp32 accumulation.
-    assert_rel_close("ddt", dt.grad, dt64.grad, 1e-4 if dtype == torch.float32 else tol)
+    # Each a sum over P of dv·x with fp32 accumulation: bounded by the size of its terms.
+    terms = (dv.to(device) * x64.detach()).abs().sum(-1)
+    err = (dt.grad.double() - dt64.grad).abs()
+    assert (err <= 1e-5 * (terms + dt64.grad.abs())).all(), f"ddt: error {err.max():.3e}"
 
 
 @pytest.mark.interpret

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from fla.ops.mamba2 import time_steps as module
 from fla.ops.mamba2.time_steps import time_steps
-from tests.helpers import TOLERANCE, assert_rel_close, generator, randn, recorded_steps
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    assert_sum_close,
+    generator,
+    randn,
+    recorded_steps,
+)
 
 
 def reference(dt, A, dt_bias, softplus, low, high):
@@ -51,13 +58,16 @@ def check_time_steps(shape, dtype, device, seed, softplus=True, with_bias=True, 
     loss_ref.backward()
     assert dt.grad.dtype == dtype
     assert_rel_close("ddt", dt.grad, leaves64[id(dt)].grad, TOLERANCE[dtype])
-    # Sums over every token: float32 accumulation whatever the input dtype.
+    # Sums over every token, float32 accumulation whatever the input dtype: bounded by
+    # the size of the terms that cancel in them (a head's dA can be 100x below them).
     if "g" in grads:
-        assert_rel_close("dA", A.grad, leaves64[id(A)].grad, 1e-4)
+        dA_terms = (dg.double() * out_ref).detach()
+        assert_sum_close("dA", A.grad, leaves64[id(A)].grad, dA_terms, 1e-5)
     else:
         assert A.grad is None or not A.grad.any()
     if dt_bias is not None:
-        assert_rel_close("ddt_bias", dt_bias.grad, leaves64[id(dt_bias)].grad, 1e-4)
+        assert_sum_close("ddt_bias", dt_bias.grad, leaves64[id(dt_bias)].grad,
+                         leaves64[id(dt)].grad, 1e-5)
 
 
 @pytest.mark.interpret
