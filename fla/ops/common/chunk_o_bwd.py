@@ -301,8 +301,8 @@ def chunk_bwd_dqkwg(
         ``(dq, dk, dw, dg)``: dq, dk in k's dtype and dw in w's dtype ``[B, T, H, K]`` (dk is
         only the part through O and S'; the WY stage adds the rest); dg ``[B, T, H]`` float32
         (``[NK, B, T, H]`` with ``dg_parts``) is ∂L/∂γ per token through these terms (None
-        when g is None). The caller adds the
-        WY stage's dγ and applies a reverse chunk-local cumsum to get the raw gate's gradient.
+        when g is None). The caller adds the WY stage's dγ and applies a reverse
+        chunk-local cumsum to get the raw gate's gradient.
     """
     check_kernel_device(q, k, v_new, w, g, h, dv2, do, dh)
     B, T, H, K = k.shape

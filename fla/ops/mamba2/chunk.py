@@ -10,14 +10,13 @@ is simple GLA ``S_t = exp(g_t) S_{t-1} + k_t ⊗ v_t, o_t = S_tᵀ q_t`` with
 
     q = C,  k = B,  v = dt · x,  g = dt · A,  scale = 1,  S = hᵀ  (N×P: K = N, V = P)
 
-so this module only prepares those tensors with differentiable torch ops, calls the
-chunked simple GLA op, and adds the D skip and the z gate in one kernel
-(:mod:`fla.ops.mamba2.skip_gate`: in PyTorch ops over float32 copies that epilogue moved
-most of the forward's bytes); the operands q, k (B and C per head) and v = dt·x are one
-kernel each too (:mod:`fla.ops.mamba2.operands`), and so are the time steps and g
-(:mod:`fla.ops.mamba2.time_steps`). Every gradient (x, dt, A, B, C, D, z, dt_bias,
-initial_states) comes from autograd through these ops, the simple GLA op's backward
-and the epilogue's.
+so this module forms those operands, calls the chunked simple GLA op, and adds the D skip
+and the z gate. Each step around the scan is one differentiable kernel each way: the
+time steps and g (:mod:`fla.ops.mamba2.time_steps`), B and C per head and v = dt·x
+(:mod:`fla.ops.mamba2.operands`), the skip and gate (:mod:`fla.ops.mamba2.skip_gate`).
+As PyTorch ops over float32 copies these moved most of the forward's bytes. Every
+gradient (x, dt, A, B, C, D, z, dt_bias, initial_states) comes from autograd through
+them and the simple GLA op's own backward.
 """
 from __future__ import annotations
 
