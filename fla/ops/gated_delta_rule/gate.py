@@ -27,7 +27,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fla.ops.utils.elementwise import one_stage_default, one_stage_space, rows_per_program
+from fla.ops.utils.elementwise import (
+    one_stage_default,
+    one_stage_space,
+    rows_per_program,
+    softplus,
+    softplus_grad,
+)
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
@@ -46,14 +52,6 @@ __all__ = ["gated_delta_rule_gate", "gdn_gate_fwd_kernel", "gdn_gate_bwd_kernel"
 _SOFTPLUS_THRESHOLD = 20.0
 
 
-@triton.jit
-def _softplus(z):
-    # log(1 + e^z) = max(z, 0) + log(1 + e^{−|z|}): no overflow, no cancellation; z past
-    # 20 (_SOFTPLUS_THRESHOLD: a module global cannot be read inside @jit on every
-    # supported Triton) is returned as is, as torch's softplus does.
-    return tl.where(z > 20.0, z, tl.maximum(z, 0.) + tl.log(1. + tl.exp(-tl.abs(z))))
-
-
 @tuned(key=["H", "ab", "HAS_DT_BIAS"], default=one_stage_default, space=one_stage_space)
 @triton.jit(do_not_specialize=["R"])
 def gdn_gate_fwd_kernel(ab, A_log, dt_bias, g, beta, beta_scale, R, H: tl.constexpr,
@@ -68,7 +66,7 @@ def gdn_gate_fwd_kernel(ab, A_log, dt_bias, g, beta, beta_scale, R, H: tl.conste
     if HAS_DT_BIAS:
         b_z += tl.load(dt_bias + o_h, mask=m_h, other=0.).to(tl.float32)[None, :]
     b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.).to(tl.float32))
-    b_g = -b_A[None, :] * _softplus(b_z)
+    b_g = -b_A[None, :] * softplus(b_z)
     b_b = tl.load(p_a + H, mask=m, other=0.).to(tl.float32)
     b_beta = beta_scale * tl.sigmoid(b_b)
     p_o = o_r[:, None] * H + o_h[None, :]
@@ -98,9 +96,8 @@ def gdn_gate_bwd_kernel(ab, A_log, dt_bias, dg, dbeta, dab, dA_part, ddt_part, b
             b_z += tl.load(dt_bias + o_h, mask=m_h, other=0.).to(tl.float32)[None, :]
         b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.).to(tl.float32))
         b_dg = tl.load(dg + p_o, mask=m, other=0.).to(tl.float32)
-        b_sp = _softplus(b_z)
-        # softplus' = σ(z), and 1 past the threshold (20, as in _softplus).
-        b_da = -b_dg * b_A[None, :] * tl.where(b_z > 20.0, 1., tl.sigmoid(b_z))
+        b_sp = softplus(b_z)
+        b_da = -b_dg * b_A[None, :] * softplus_grad(b_z)
         # dA_log = Σ dg · g with g = −A · softplus(z).
         tl.store(dA_part + i_p * H + o_h, tl.sum(-b_dg * b_A[None, :] * b_sp, 0), mask=m_h)
         tl.store(ddt_part + i_p * H + o_h, tl.sum(b_da, 0), mask=m_h)

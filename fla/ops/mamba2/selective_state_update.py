@@ -32,6 +32,7 @@ import triton.language as tl
 # sum in the interpreter instead of a traced @jit call (same code on the GPU).
 from triton.language.standard import _sum_combine
 
+from fla.ops.utils.elementwise import softplus
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import decode_op
 from fla.utils.grid import cdiv, next_power_of_2
@@ -143,13 +144,7 @@ def selective_state_update_kernel(
         b_dt += tl.load(dt_bias + i_h64 * stride_dtb_h + o_p * stride_dtb_p,
                         mask=m_p, other=0.).to(tl.float32)
     if DT_SOFTPLUS:
-        # softplus(u) = log1p(exp(u)), and u itself past 20 (as torch's threshold).
-        # log1p(e) is computed as log(1 + e) · e / ((1 + e) − 1), which stays exact when
-        # 1 + e rounds (tiny e), where plain log(1 + e) would return 0.
-        e = tl.exp(tl.minimum(b_dt, 20.))
-        u = 1. + e
-        log1p_e = tl.where(u == 1., e, tl.log(u) * (e / (u - 1.)))
-        b_dt = tl.where(b_dt > 20., b_dt, log1p_e)
+        b_dt = softplus(b_dt)
 
     if A_PER_HEAD:
         # One A per head (Mamba2): one exp per channel instead of one per state element.

@@ -32,6 +32,8 @@ from fla.ops.utils.elementwise import (
     one_stage_space,
     row_tile,
     rows_per_program,
+    softplus,
+    softplus_grad,
 )
 from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
@@ -50,8 +52,7 @@ def _steps(dt, dt_bias, p, o_h, m, m_h, low, high, HAS_BIAS: tl.constexpr,
     if HAS_BIAS:
         b_u += tl.load(dt_bias + o_h, mask=m_h, other=0.).to(tl.float32)[None, :]
     if SOFTPLUS:
-        # log(1 + e^u) = max(u, 0) + log(1 + e^{-|u|}); u past 20 as is (torch's threshold).
-        b_d = tl.where(b_u > 20.0, b_u, tl.maximum(b_u, 0.) + tl.log(1. + tl.exp(-tl.abs(b_u))))
+        b_d = softplus(b_u)
     else:
         b_d = b_u
     return b_u, b_d, tl.minimum(tl.maximum(b_d, low), high)
@@ -95,7 +96,7 @@ def time_steps_bwd_kernel(dt, A, dt_bias, ddt_out, dg, ddt, dA_part, dbias_part,
     # clamp passes the gradient where low ≤ d ≤ high (torch.clamp's rule).
     b_dd = tl.where((b_d >= low) & (b_d <= high), b_dd, 0.)
     if SOFTPLUS:
-        b_dd *= tl.where(b_u > 20.0, 1., tl.sigmoid(b_u))
+        b_dd *= softplus_grad(b_u)
     tl.store(ddt + p, b_dd.to(ddt.dtype.element_ty), mask=m)
     if HAS_BIAS:
         tl.store(dbias_part + i_p * H + o_h, tl.sum(b_dd, 0), mask=m_h)

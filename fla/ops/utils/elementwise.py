@@ -1,6 +1,6 @@
 """Shared pieces of the one-launch elementwise ops over token rows (Gated DeltaNet's gate,
-Mamba2's time steps, operands and output epilogue): their launch rules and the tile
-offsets of a row-major ``[R, C]`` tensor.
+Mamba2's time steps, operands and output epilogue): their launch rules, the tile
+offsets of a row-major ``[R, C]`` tensor, and the softplus of time steps and decays.
 
 These kernels have no loop: the tile a program owns is fixed by its launcher (a
 backward's per-program partial sums then have one shape whatever the config), so only
@@ -14,7 +14,8 @@ import triton.language as tl
 from fla.utils.grid import next_power_of_2
 from fla.utils.tuning import Config
 
-__all__ = ["rows_per_program", "one_stage_default", "one_stage_space", "row_tile"]
+__all__ = ["rows_per_program", "one_stage_default", "one_stage_space", "row_tile",
+           "softplus", "softplus_grad"]
 
 
 def rows_per_program(width: int) -> int:
@@ -40,3 +41,20 @@ def row_tile(i_r, i_c, R, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     m_r = o_r < R
     m_c = o_c < C
     return o_r, m_r, o_c, m_c, m_r[:, None] & m_c[None, :], o_r[:, None] * C + o_c[None, :]
+
+
+@triton.jit
+def softplus(z):
+    """``log(1 + e^z)``, and ``z`` itself past 20 (torch's threshold: a module global
+    cannot be read inside @jit on every supported Triton). log1p(e) is computed as
+    ``log(1 + e) · e / ((1 + e) − 1)``, exact where 1 + e rounds (tiny e), where plain
+    ``log(1 + e)`` would return 0."""
+    e = tl.exp(tl.minimum(z, 20.))
+    u = 1. + e
+    return tl.where(z > 20., z, tl.where(u == 1., e, tl.log(u) * (e / (u - 1.))))
+
+
+@triton.jit
+def softplus_grad(z):
+    """d softplus / dz: σ(z), and 1 past the threshold (20), as :func:`softplus`."""
+    return tl.where(z > 20., 1., tl.sigmoid(z))
