@@ -72,8 +72,8 @@ def skip_gate_fwd_kernel(o, x, D, z, y, R, C: tl.constexpr, BR: tl.constexpr,
 def skip_gate_bwd_kernel(o, x, D, z, dy, do, dx, dz, dD_part, R, C: tl.constexpr,
                          BR: tl.constexpr, BC: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_Z: tl.constexpr):
-    """Same grid: ``do``, ``dx`` (with D), ``dz`` (with z) and this program's partial sum
-    of dD over its BR rows (row ``program_id(0)`` of ``dD_part [cdiv(R, BR), C]``)."""
+    """Same grid: ``do`` and ``dz`` (with z; without it do is dy), ``dx`` (with D) and
+    this program's partial sum of dD over its BR rows (row ``program_id(0)`` of ``dD_part [cdiv(R, BR), C]``)."""
     i_r = tl.program_id(0)
     _, _, o_c, m_c, m, p = row_tile(i_r, tl.program_id(1), R, C, BR, BC)
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)
@@ -89,9 +89,9 @@ def skip_gate_bwd_kernel(o, x, D, z, dy, do, dx, dz, dD_part, R, C: tl.constexpr
         tl.store(dz + p, (b_dy * b_s * b_sig * (1. + b_z * (1. - b_sig))).to(
             dz.dtype.element_ty), mask=m)
         b_do = b_dy * b_z * b_sig
+        tl.store(do + p, b_do.to(do.dtype.element_ty), mask=m)
     else:
-        b_do = b_dy
-    tl.store(do + p, b_do.to(do.dtype.element_ty), mask=m)
+        b_do = b_dy     # do is dy itself (the launcher's): no copy written
     if HAS_D:
         tl.store(dx + p, (b_do * b_D[None, :]).to(dx.dtype.element_ty), mask=m)
         # Masked rows and columns loaded as 0: they add nothing to the sum.
@@ -120,21 +120,24 @@ def _skip_gate_fwd(o: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None,
 
 
 def _skip_gate_bwd(o, x, D, z, dy):
-    """``(do, dx, dz, dD)``: do in o's dtype, dx (the skip's part) in x's, dz in z's, dD
-    shaped and typed like D; the ones whose input is absent are None."""
+    """``(do, dx, dz, dD)``: do in dy's dtype, dx (the skip's part) in x's, dz in z's, dD
+    shaped and typed like D; the ones whose input is absent are None. ``o`` is read only
+    with z (the gate's gradient needs o + D x), and may be None without it."""
     H, P = x.shape[-2:]
     C = H * P
     R = x.numel() // C
     BR, BC = _tile(C, 128)
     programs = cdiv(R, BR)
-    do = torch.empty_like(o)
+    dy = dy.contiguous()
+    # Without the gate do = dy: the same tensor, not a copy of it.
+    do = torch.empty_like(dy) if z is not None else dy
     dx = None if D is None else torch.empty_like(x)
     dz = None if z is None else torch.empty_like(z)
     # One row of partials per row block, every row written by every launch.
     dD_part = None if D is None else torch.empty(programs, C, dtype=torch.float32,
                                                  device=x.device)
     skip_gate_bwd_kernel[(programs, cdiv(C, BC))](
-        o=o, x=x, D=_channels_D(D, H, P), z=z, dy=dy.contiguous(), do=do, dx=dx, dz=dz,
+        o=o, x=x, D=_channels_D(D, H, P), z=z, dy=dy, do=do, dx=dx, dz=dz,
         dD_part=dD_part, R=R, C=C, BR=BR, BC=BC, HAS_D=D is not None, HAS_Z=z is not None)
     dD = None
     if D is not None:
@@ -150,21 +153,24 @@ _fwd_op = stage_op(
     schema="(Tensor o, Tensor x, Tensor? D, Tensor? z) -> Tensor")
 _bwd_op = stage_op(
     "mamba2_skip_gate_bwd", _skip_gate_bwd, label="mamba2_skip_gate.bwd", ahead=False,
-    schema="(Tensor o, Tensor x, Tensor? D, Tensor? z, Tensor dy) "
+    schema="(Tensor? o, Tensor x, Tensor? D, Tensor? z, Tensor dy) "
            "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _setup_context(ctx, inputs, output):
     o, x, D, z = inputs
-    ctx.save_for_backward(o, x, D, z)
+    # o only with the gate: without it the backward never reads o, and keeping it would
+    # hold the scan's output (the size of x) until the backward.
+    ctx.save_for_backward(o if z is not None else None, x, D, z)
     ctx.present = (D is not None, z is not None)
+    ctx.o_dtype = o.dtype
 
 
 def _backward(ctx, dy):
     o, x, D, z = ctx.saved_tensors
     do, dx, dz, dD = _bwd_op(o, x, D, z, dy)
     has_D, has_z = ctx.present
-    return (do, present(dx, has_D), present(dD, has_D), present(dz, has_z))
+    return (do.to(ctx.o_dtype), present(dx, has_D), present(dD, has_D), present(dz, has_z))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
