@@ -71,11 +71,13 @@ def run_intra(p, gated):
                                             chunk_indices=chunk_indices_of(p))
 
 
-def run_inter(p, gated, Ai, Aqk, h0=True, final=True, segment_chunks=None, scores_out=None):
+def run_inter(p, gated, Ai, Aqk, h0=True, final=True, segment_chunks=None, scores_out=None,
+              lead_chunks=0):
     return chunk_gated_delta_rule_fwd_inter(
         p["q"], p["k"], p["v"], f32(p["gc"]) if gated else None, p["beta"], Ai, Aqk,
         p["scale"], p["h0"] if h0 else None, final, cu_seqlens=p["cu_seqlens"],
-        offsets=p["offsets"], segment_chunks=segment_chunks, scores_out=scores_out)
+        offsets=p["offsets"], segment_chunks=segment_chunks, scores_out=scores_out,
+        lead_chunks=lead_chunks)
 
 
 @pytest.mark.interpret
@@ -240,6 +242,63 @@ def test_simple_gla_pass_forms_its_own_scores(device, seed, dtype, case, gated):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["T300", "varlen"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_simple_gla_pass_as_a_lead_split(device, seed, dtype, case, gated):
+    """The lead split (each sequence cut once after ``lead`` chunks, the lead pieces'
+    transitions, then every piece longest first) gives the simple GLA recurrence's output
+    and final state, with and without an initial state; a packed batch mixes sequences
+    cut and too short to cut (one of them a partial chunk), and the kept scores equal the
+    unsplit pass's."""
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+    gen = generator(seed)
+    if case == "varlen":
+        lengths = uneven_lengths(3, gen, low=1, high=120) + uneven_lengths(2, gen, low=200,
+                                                                           high=330)
+        lengths = [lengths[i] for i in torch.randperm(5, generator=gen).tolist()]
+        p = make_problem(gen, device, B=1, T=0, H=2, K=48, V=32, dtype=dtype, lengths=lengths)
+    else:
+        p = make_problem(gen, device, B=2, T=300, H=1, K=32, V=80, dtype=dtype)
+    p = dict(p, beta=None)
+    g64 = p["g"].to(F64) if gated else None
+    for h0 in (True, False):
+        o_ref, ht_ref = naive_recurrent_simple_gla(
+            p["q"].to(F64), p["k"].to(F64), p["v"].to(F64), g64, scale=p["scale"],
+            initial_state=p["h0"].to(F64) if h0 else None, output_final_state=True,
+            cu_seqlens=p["cu_seqlens"])
+        whole = torch.empty(*p["k"].shape[:3], 64, dtype=dtype, device=device)
+        o_whole, _ = run_inter(p, gated, None, None, h0=h0, segment_chunks=0,
+                               scores_out=whole)
+        for lead in (1, 2, 4):
+            kept = torch.full_like(whole, float("nan"))
+            o, ht = run_inter(p, gated, None, None, h0=h0, segment_chunks=0, lead_chunks=lead,
+                              scores_out=kept)
+            what = f"(lead {lead}, h0={h0})"
+            assert_rel_close(f"o {what}", o, o_ref, tol(dtype))
+            assert_rel_close(f"final_state {what}", ht, ht_ref, tol(dtype))
+            assert_rel_close(f"o against the unsplit pass {what}", o, o_whole,
+                             {torch.float32: 1e-6}.get(dtype, tol(dtype)))
+            assert torch.equal(kept, whole), what
+        _, none = run_inter(p, gated, None, None, h0=h0, final=False, segment_chunks=0,
+                            lead_chunks=2)
+        assert none is None
+
+
+@pytest.mark.interpret
+def test_lead_split_tables(device):
+    """Pieces numbered sequence by sequence in time order; the transitions list the cut
+    sequences' lead pieces, the outputs every piece longest first, with their rows."""
+    from fla.ops.common.chunk_fwd_inter import lead_split_tables
+    # Sequences of 5, 2 (not cut), 3 chunks (the last partial), lead 2.
+    transitions, outputs, starts = lead_split_tables([0, 300, 428, 600], 2, device)
+    assert starts.tolist() == [0, 2, 3, 5]
+    assert transitions.tolist() == [[0, 0, 2, 0], [2, 0, 2, 3]]
+    assert outputs.tolist() == [[0, 2, 5, 1], [0, 0, 2, 0], [1, 0, 2, 2], [2, 0, 2, 3],
+                                [2, 2, 3, 4]]
+
+
+@pytest.mark.interpret
 def test_pass_refuses_what_it_cannot_form_or_keep(device, seed):
     """No scores formed in the pass above K = 128 (no registers for them there), and a
     scores buffer of the wrong shape, dtype or layout is refused before any launch."""
@@ -291,6 +350,37 @@ def test_split_model_matches_the_measured_pass(monkeypatch):
     assert inter.segment_chunks_for([15], 1, 1, 2, "scalar") == 0
 
 
+# Simple GLA's no-grad pass at 1x8192x{96,80}x128 (H100, Triton 3.6, bf16; 128 chunks, 2
+# V tiles of 64 a head), unsplit (0) and as lead splits, ms per lead length; 2026-11-27.
+MEASURED_LEAD_MS = {96: {0: 0.550, 16: 0.503, 24: 0.480, 32: 0.465, 40: 0.539, 48: 0.579},
+                    80: {0: 0.543, 24: 0.478, 32: 0.454, 40: 0.430}}
+
+
+def test_lead_split_model_matches_the_measured_pass(monkeypatch):
+    """The lead split's launch model reproduces the pass timed on an H100 (within 15% at
+    every length timed), picks the best timed length (or one within 4 chunks of it, where
+    its pick was not timed), and leaves alone the
+    passes it does not fit: a full wave, every program on an SM of its own (Mamba2's 128
+    heads: a split measured slower there), short sequences."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
+    inter._lead_lengths.clear()
+    for heads, measured in MEASURED_LEAD_MS.items():
+        shape = ([128], heads, 2, 2, inter.program_slots())
+        step_ms = measured[0] / 128          # the unsplit pass: one wave of 128 steps
+        for lead, ms in measured.items():
+            model = (inter.lead_split_time(lead, *shape) if lead else 128) * step_ms
+            assert abs(model / ms - 1) < 0.15, (heads, lead, model, ms)
+        chosen = inter.lead_chunks_for(*shape[:4])
+        best = min(measured, key=measured.get)
+        assert (measured[chosen] <= 1.03 * measured[best] if chosen in measured
+                else abs(chosen - best) <= 4), (heads, chosen, best)
+        assert inter.default_lead_chunks(None, 1, 8192, heads, 128, 128, True) == chosen
+    assert inter.lead_chunks_for([64] * 4, 32, 1, 1) == 0      # 128 programs, 132 SMs
+    assert inter.lead_chunks_for([64] * 4, 64, 2, 2) == 0      # 512 programs: full
+    assert inter.lead_chunks_for([32] * 8, 12, 2, 2) == 0      # short sequences
+
+
 @pytest.mark.interpret
 def test_inter_without_initial_or_final_state(device, seed):
     p = problem("varlen", generator(seed), device, torch.float32)
@@ -322,3 +412,26 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
     ]
     failures = sweep_configs(monkeypatch, stages, min_configs=2)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_lead_split_at_a_real_shape(seed, monkeypatch):
+    """Where the GPU's launch model takes the lead split (96 heads over one 8K-token
+    sequence on an H100), simple GLA's bf16 forward and final state equal the unsplit
+    pass's within bf16 rounding, from an initial state."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    from fla.ops.simple_gla import chunk_simple_gla
+    if not inter.default_lead_chunks(None, 1, 8192, 96, 128, 128, True):
+        pytest.skip("this GPU's launch model takes no lead split at 1x8192x96x128")
+    gen = generator(seed)
+    q, k, v = (torch.randn(1, 8192, 96, 128, generator=gen).to("cuda", torch.bfloat16)
+               for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 8192, 96, generator=gen)).cuda()
+    h0 = torch.randn(1, 96, 128, 128, generator=gen).cuda()
+    with torch.no_grad():
+        o, ht = chunk_simple_gla(q, k, v, g=g, initial_state=h0, output_final_state=True)
+        monkeypatch.setattr(inter, "default_lead_chunks", lambda *args: 0)
+        o_whole, ht_whole = chunk_simple_gla(q, k, v, g=g, initial_state=h0,
+                                             output_final_state=True)
+    assert_rel_close("o", o, o_whole.double(), 2e-3)
+    assert_rel_close("final_state", ht, ht_whole.double(), 1e-5)

@@ -35,12 +35,20 @@ the transitions ``[M | X]`` of all segments in parallel (``TRANSITION``), a shor
 combine per sequence giving every segment its entering state and the final state, and
 the output pass over all segments in parallel. Without the delta M is the scalar
 exp(Σ g) times I: the transitions then carry only X (K x V, half the columns at K = V)
-and the combine is a scaled add instead of a K x K product per segment. The vector-gate
+and the combine is a scaled add instead of a K x K product per segment. A sequence's last
+segment needs no transition: the output launch writes the final state.
+
+Without the delta a pass with more programs than SMs but fewer than program slots (96
+heads over one 8K-token sequence: two programs on some SMs, one on the others) may take
+a lead split instead: each sequence cut once, a short lead piece and the long rest, all
+pieces in one output launch longest first, so that the lead pieces fill the slots the long
+ones leave (see LEAD_SPLIT_MIN_CHUNKS). The vector-gate
 pass (GLA, RWKV6: ``chunk_gk_fwd``) splits the same way with M = diag(exp(Σ γ_C)), and
 shares the combine, the segment tables and the launch model kept here.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -198,11 +206,11 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
     """``(n, bos, T, first, end)`` for program ``i_p`` along the sequences of a chunk
     pass: its sequence n, the sequence's first token (an int64 row) and length, and the
     chunks [first, end) the program walks: all of the sequence's, or with ``SPLIT`` those
-    of row i_p of ``segments [P, 3]`` (:func:`segment_tables`)."""
+    of row i_p of ``segments [P, 4]`` (:func:`segment_tables`)."""
     if SPLIT:
-        i_n = tl.load(segments + i_p * 3)
-        first = tl.load(segments + i_p * 3 + 1)
-        end = tl.load(segments + i_p * 3 + 2)
+        i_n = tl.load(segments + i_p * 4)
+        first = tl.load(segments + i_p * 4 + 1)
+        end = tl.load(segments + i_p * 4 + 2)
     else:
         i_n = i_p
         first = runtime_zero(T)  # not a constant 0: the K = 128 passes spilled more
@@ -210,6 +218,17 @@ def segment_of_program(i_p, segments, cu_seqlens, T, BT: tl.constexpr, SPLIT: tl
     if not SPLIT:
         end = tl.cdiv(T, BT)
     return i_n, bos, T, first, end
+
+
+@triton.jit
+def segment_state_row(i_p, segments, SPLIT: tl.constexpr):
+    """The row of the per-segment state buffers (entering states, transitions) that
+    program ``i_p`` of a chunk pass reads and writes: column 3 of its ``segments`` row
+    (its own index in :func:`segment_tables`' tables; a lead split launches its pieces
+    longest first, :func:`lead_split_tables`), or ``i_p`` (one program a sequence)."""
+    if SPLIT:
+        return tl.load(segments + i_p * 4 + 3).to(tl.int64)
+    return i_p.to(tl.int64)
 
 
 @triton.jit
@@ -246,8 +265,10 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
-    ``[P, 3]`` (sequence, first chunk, end chunk), whose states ``h0``/``ht`` are then
-    indexed by segment.
+    ``[P, 4]`` (sequence, first chunk, end chunk, state row), whose states ``h0``/``ht``
+    (and ``seg_decay``) are then indexed by the state row; ``ht`` of an output launch
+    (no transition) is indexed by sequence instead, written by the program that walks the
+    sequence's last chunk.
 
     ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
     ``Ai, Aqk [B, T, H, 64]`` (with ``FORM_AQK``, simple GLA only, Aqk is not read:
@@ -282,7 +303,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     # The state as row tiles of the K x W matrix (fla.ops.utils.state_tiles): a transition
     # with the delta starts from [I | 0], every other pass from h0 or zeros.
     o_s = o_k[:, None] * W + o_w[None, :]
-    state = (i_p.to(tl.int64) * H + i_h) * (K * W)
+    state = (segment_state_row(i_p, segments, SPLIT) * H + i_h) * (K * W)
     b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_w, K, W, BK, BV,
                                               USE_INITIAL_STATE and not AUGMENTED)
     if AUGMENTED:
@@ -405,10 +426,18 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                 b_h4 = tl.dot(b_kt, b_vn, b_h4, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
-        store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W, BK)
+        if SPLIT and not TRANSITION:
+            # The output launch of a split: the piece that ends the sequence holds its
+            # final state.
+            if end == tl.cdiv(T, BT):
+                store_state_tiles(ht, (i_n.to(tl.int64) * H + i_h) * (K * W), b_h1, b_h2,
+                                  b_h3, b_h4, o_s, o_k, m_w, K, W, BK)
+        else:
+            store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W, BK)
     if TRANSITION and not DELTA:
         if i_w == 0:
-            tl.store(seg_decay + i_p * H + i_h, b_log_decay)
+            tl.store(seg_decay + segment_state_row(i_p, segments, SPLIT) * H + i_h,
+                     b_log_decay)
 
 
 def _combine_default(args) -> Config:
@@ -618,6 +647,94 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     return chosen
 
 
+# The lead split: a pass that leaves program slots idle (more programs than SMs, fewer
+# than slots: some SMs walk two sequences' chunks, the others one) cuts each sequence once,
+# a short lead piece and the long rest, and launches the pieces longest first, so that the
+# lead pieces fill the slots the long ones leave. Only the lead pieces need a transition.
+# The launch model lists the pieces on the slots in launch order (each slot takes the next
+# piece when it frees), in output chunk steps as above. H100, Triton 3.6, bf16, simple
+# GLA's no-grad pass at 1x8192x96x128 (192 programs, 128 chunks; 2026-11-27,
+# scratch/balanced_probe.py): unsplit 0.550 ms; lead pieces of 16 / 24 / 32 / 40 / 48
+# chunks 0.503 / 0.480 / 0.465 / 0.539 / 0.579 (transitions 0.032-0.071 of it); the model
+# picks 32 (112 steps against 128). At 1x8192x80x128: 0.543 unsplit, 0.478 / 0.454 /
+# 0.430 at 24 / 32 / 40 (the model's pick: 40). Where every program has an SM of its own
+# the split would put two on an SM and slow every step (Mamba2's 128 heads on 132 SMs:
+# a uniform split measured no faster), so it is not considered there; nor for short
+# sequences, whose passes are host-bound.
+LEAD_SPLIT_MIN_CHUNKS = 64
+MIN_LEAD_SAVING = 0.10
+_lead_lengths: dict = {}
+
+
+def _list_schedule(pieces: list[tuple[int, int]], slots: int) -> int:
+    """The time the last of ``pieces`` ((length, count) groups in launch order) ends when
+    each of ``slots`` takes the next piece as soon as it is free."""
+    free = [(0, slots)]          # (time a group of slots frees, how many), by time
+    end = 0
+    for length, count in pieces:
+        while count:
+            t, n = free.pop(0)
+            m = min(n, count)
+            count -= m
+            if n > m:
+                free.insert(0, (t, n - m))
+            bisect.insort(free, (t + length, m))
+            end = max(end, t + length)
+    return end
+
+
+def lead_pieces(seq_chunks: list[int], lead: int) -> list[list[int]]:
+    """Each sequence's pieces in time order: ``[lead, c - lead]`` where it has more than
+    ``lead`` chunks, else ``[c]``."""
+    return [[lead, c - lead] if c > lead else [c] for c in seq_chunks]
+
+
+def lead_split_time(lead: int, seq_chunks: list[int], heads: int, output_tiles: int,
+                    transition_tiles: int, slots: int) -> float:
+    """The launch model's time (output chunk steps) of the scalar-decay pass with lead
+    pieces of ``lead`` chunks: the lead pieces' transitions, the combine, then every
+    piece, longest first, on ``slots`` programs."""
+    pieces = sorted((p for ps in lead_pieces(seq_chunks, lead) for p in ps), reverse=True)
+    counts: dict = {}
+    for p in pieces:
+        counts[p] = counts.get(p, 0) + heads * output_tiles
+    cut = sum(1 for c in seq_chunks if c > lead)
+    return (_list_schedule(sorted(counts.items(), reverse=True), slots)
+            + cdiv(cut * heads * transition_tiles, slots) * TRANSITION_STEP["scalar"] * lead
+            + COMBINE_STEP["scalar"])
+
+
+def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
+                    transition_tiles: int) -> int:
+    """The lead piece's length (chunks) for the scalar-decay pass over sequences of
+    ``seq_chunks`` chunks, or 0: no lead split (see LEAD_SPLIT_MIN_CHUNKS above).
+    Remembered per argument set."""
+    slots = program_slots()
+    programs = len(seq_chunks) * heads * output_tiles
+    longest = max(seq_chunks)
+    if not multiprocessor_count() < programs < slots or longest < LEAD_SPLIT_MIN_CHUNKS:
+        return 0
+    key = (tuple(seq_chunks), heads, output_tiles, transition_tiles, slots)
+    chosen = _lead_lengths.get(key)
+    if chosen is None:
+        shape = (seq_chunks, heads, output_tiles, transition_tiles, slots)
+        chosen = min(range(1, longest // 2 + 1), key=lambda n: lead_split_time(n, *shape))
+        if lead_split_time(chosen, *shape) > (1 - MIN_LEAD_SAVING) * longest:
+            chosen = 0
+        if len(_lead_lengths) >= 256:
+            _lead_lengths.clear()
+        _lead_lengths[key] = chosen
+    return chosen
+
+
+def default_lead_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int, V: int,
+                        form_scores: bool) -> int:
+    """What the scalar-decay pass's launcher picks for ``lead_chunks=None`` (0: no lead
+    split), for the host ``offsets`` of packed sequences or (None) B sequences of T."""
+    output_tiles, transition_tiles = _pass_tiles(K, V, False, form_scores)
+    return lead_chunks_for(sequence_chunks(offsets, B, T), H, output_tiles, transition_tiles)
+
+
 def transition_width(K: int, V: int, delta: bool) -> int:
     """Columns of a segment's transition state: K + V for the delta's ``[M | X]``; V
     without it, where M is exp(Σ g)·I (X alone, plus the scalar log decay per segment
@@ -654,11 +771,12 @@ def _pass_tiles(K: int, V: int, delta: bool, form_scores: bool) -> tuple[int, in
 
 def segment_tables(offsets: list[int], chunks: int, device,
                    reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``segments [P, 3]`` int32 rows (sequence, first chunk, end chunk) cutting each
-    sequence of the token offsets into pieces of ``chunks`` chunks, and ``seg_offsets
-    [N + 1]`` int32, the first segment of each sequence. ``reverse``: each sequence's
-    segments listed last to first (the order a reverse pass meets them, so that the
-    combine walks them as it walks a forward pass's). Cached per (offsets, size, order)."""
+    """``segments [P, 4]`` int32 rows (sequence, first chunk, end chunk, state row: the
+    row's own index) cutting each sequence of the token offsets into pieces of ``chunks``
+    chunks, and ``seg_offsets [N + 1]`` int32, the first segment of each sequence.
+    ``reverse``: each sequence's segments listed last to first (the order a reverse pass
+    meets them, so that the combine walks them as it walks a forward pass's). Cached per
+    (offsets, size, order)."""
     key = (tuple(offsets), chunks, str(device), reverse)
     cached = _segment_tables.get(key)
     if cached is not None:
@@ -669,11 +787,68 @@ def segment_tables(offsets: list[int], chunks: int, device,
         pieces = [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
         rows += pieces[::-1] if reverse else pieces
         starts.append(len(rows))
-    tables = (torch.tensor(rows, dtype=torch.int32).to(device),
+    tables = (_table(rows, device), torch.tensor(starts, dtype=torch.int32).to(device))
+    _remember(_segment_tables, key, tables)
+    return tables
+
+
+def _table(rows: list[tuple[int, int, int]], device, state_rows=None) -> torch.Tensor:
+    """``[P, 4]`` int32 segment rows (sequence, first chunk, end chunk, state row); the
+    state row is the row's own index unless ``state_rows`` are given."""
+    if state_rows is None:
+        state_rows = range(len(rows))
+    return torch.tensor([(*r, i) for r, i in zip(rows, state_rows)],
+                        dtype=torch.int32).reshape(-1, 4).to(device)
+
+
+def _remember(cache: dict, key, value) -> None:
+    if len(cache) >= 64:
+        cache.clear()
+    cache[key] = value
+
+
+def split_tables(offsets: list[int], chunks: int, device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The uniform split's tables for :func:`_split_pass`: ``(transitions, outputs,
+    seg_offsets)``, ``outputs`` and ``seg_offsets`` those of :func:`segment_tables`,
+    ``transitions`` its rows but each sequence's last (whose transition only the final
+    state would need, and the output launch writes that)."""
+    key = ("split", tuple(offsets), chunks, str(device))
+    cached = _segment_tables.get(key)
+    if cached is not None:
+        return cached
+    outputs, seg_offsets = segment_tables(offsets, chunks, device)
+    starts = seg_offsets.tolist()
+    walked = [i for n in range(len(starts) - 1) for i in range(starts[n], starts[n + 1] - 1)]
+    tables = (outputs[walked], outputs, seg_offsets)
+    _remember(_segment_tables, key, tables)
+    return tables
+
+
+def lead_split_tables(offsets: list[int], lead: int, device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tables of a lead split (each sequence longer than ``lead`` chunks cut into a
+    lead piece and the rest): ``(transitions, outputs, seg_offsets)``. The pieces are
+    numbered sequence by sequence in time order (the state rows, and ``seg_offsets [N +
+    1]`` the first of each sequence, as the combine walks them); ``transitions`` holds the
+    cut sequences' lead pieces, ``outputs`` every piece, longest first (the launch order
+    the model assumes), each with its state row. Cached per (offsets, lead)."""
+    key = ("lead", tuple(offsets), lead, str(device))
+    cached = _segment_tables.get(key)
+    if cached is not None:
+        return cached
+    rows, starts = [], [0]
+    for n, c in enumerate(chunk_counts(offsets, CHUNK)):
+        ends = [min(lead, c), c] if c > lead else [c]
+        rows += [(n, first, end) for first, end in zip([0] + ends[:-1], ends)]
+        starts.append(len(rows))
+    lead_rows = [i for i, (n, first, end) in enumerate(rows)
+                 if first == 0 and starts[n + 1] - starts[n] > 1]
+    longest_first = sorted(range(len(rows)), key=lambda i: rows[i][1] - rows[i][2])
+    tables = (_table([rows[i] for i in lead_rows], device, lead_rows),
+              _table([rows[i] for i in longest_first], device, longest_first),
               torch.tensor(starts, dtype=torch.int32).to(device))
-    if len(_segment_tables) >= 64:
-        _segment_tables.clear()
-    _segment_tables[key] = tables
+    _remember(_segment_tables, key, tables)
     return tables
 
 
@@ -737,6 +912,7 @@ def chunk_gated_delta_rule_fwd_inter(
     states_out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     segment_states: torch.Tensor | None = None,
     return_segment_states: bool = False,
+    lead_chunks: int | None = 0,
 ):
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
@@ -771,6 +947,12 @@ def chunk_gated_delta_rule_fwd_inter(
             without the sequential walk).
         return_segment_states: also return those states (None when the pass did not
             split), for a later pass's ``segment_states``.
+        lead_chunks: where ``segment_chunks`` leaves the sequences whole and there is no
+            delta, cut each sequence after this many chunks (a lead split: the lead
+            pieces' transitions, then every piece in one launch, longest first; see
+            LEAD_SPLIT_MIN_CHUNKS); None: the launch model's choice; 0: never. Not with
+            ``states_out`` or ``segment_states``; its segment states are not returned
+            (None: a backward walks the sequences whole).
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype (None with
@@ -823,6 +1005,14 @@ def chunk_gated_delta_rule_fwd_inter(
     if segment_states is not None and (not segment_chunks or output_final_state):
         raise ValueError("segment_states: given for a pass that does not split, or with "
                          "output_final_state (the skipped combine computes the final state)")
+    if not segment_chunks and Ai is None and states_out is None and segment_states is None:
+        if lead_chunks is None:
+            lead_chunks = default_lead_chunks(offsets, B, T, H, K, V, form_scores)
+        if lead_chunks:
+            _split_pass(kernel, common, states, *lead_split_tables(offsets, lead_chunks,
+                                                                   k.device),
+                        False, initial_state, final_state)
+            return (o, final_state, None) if return_segment_states else (o, final_state)
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
         # without the delta, where it would only compile identical variants.
@@ -834,31 +1024,50 @@ def chunk_gated_delta_rule_fwd_inter(
             FEW_PROGRAMS=few, **common, **states)
         return (o, final_state, None) if return_segment_states else (o, final_state)
 
-    segments, seg_offsets = segment_tables(offsets, segment_chunks, k.device)
-    P = segments.shape[0]
+    transitions, outputs, seg_offsets = split_tables(offsets, segment_chunks, k.device)
     if segment_states is not None:
         # Read by row offsets from the segment table: another split's states would start
         # segments from the wrong state.
-        check_buffer("segment_states", segment_states, (P, H, K, V), torch.float32, k.device)
-        seg_h0 = segment_states
-    else:
-        delta = Ai is not None
-        W = transition_width(K, V, delta)
-        mx = torch.empty(P, H, K, W, dtype=torch.float32, device=k.device)
-        seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32,
-                                                   device=k.device)
-        kernel[lambda meta: (cdiv(W, meta["BV"]), H, P)](
-            h0=None, ht=mx, seg_decay=seg_decay, segments=segments, USE_INITIAL_STATE=False,
-            STORE_FINAL_STATE=True, SPLIT=True, TRANSITION=True, FEW_PROGRAMS=0,
-            # The transitions use no scores: one compiled variant (and tuning space) for all.
-            **dict(common, FORM_AQK=False, STORE_AQK=False))
-        seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
-                                        seg_offsets, V, initial_state, final_state)
-    kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
-        h0=seg_h0, ht=None, seg_decay=None, segments=segments, USE_INITIAL_STATE=True,
-        STORE_FINAL_STATE=False, SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **common,
-        **states)
+        check_buffer("segment_states", segment_states, (outputs.shape[0], H, K, V),
+                     torch.float32, k.device)
+    seg_h0 = _split_pass(kernel, common, states, transitions, outputs, seg_offsets,
+                         Ai is not None, initial_state, final_state, segment_states)
     return (o, final_state, seg_h0) if return_segment_states else (o, final_state)
+
+
+def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
+                outputs: torch.Tensor, seg_offsets: torch.Tensor, delta: bool,
+                initial_state, final_state, segment_states=None) -> torch.Tensor:
+    """The pass over segments (tables from :func:`split_tables` or
+    :func:`lead_split_tables`): the transitions of every segment but each sequence's last,
+    the combine (the state entering every segment), then every segment's output, the
+    segments that end a sequence writing its final state. With ``segment_states`` (the
+    entering states from an earlier pass) only the last launch runs. Returns the entering
+    states ``[P, H, K, V]`` float32."""
+    H, K, V = common["H"], common["K"], common["V"]
+    P = outputs.shape[0]
+    seg_h0 = segment_states
+    if seg_h0 is None:
+        W = transition_width(K, V, delta)
+        mx = torch.empty(P, H, K, W, dtype=torch.float32, device=outputs.device)
+        seg_decay = None if delta else torch.empty(P, H, dtype=torch.float32,
+                                                   device=outputs.device)
+        if transitions.shape[0]:
+            kernel[lambda meta: (cdiv(W, meta["BV"]), H, transitions.shape[0])](
+                h0=None, ht=mx, seg_decay=seg_decay, segments=transitions,
+                USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, SPLIT=True,
+                TRANSITION=True, FEW_PROGRAMS=0,
+                # The transitions use no scores: one compiled variant (and space) for all.
+                **dict(common, FORM_AQK=False, STORE_AQK=False))
+        # The combine reads the transitions of the segments it walks past (no sequence's
+        # last); the final states come from the output launch.
+        seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
+                                        seg_offsets, V, initial_state)
+    kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
+        h0=seg_h0, ht=final_state, seg_decay=None, segments=outputs, USE_INITIAL_STATE=True,
+        STORE_FINAL_STATE=final_state is not None, SPLIT=True, TRANSITION=False,
+        FEW_PROGRAMS=0, **common, **states)
+    return seg_h0
 
 
 def split_states(segment_states: torch.Tensor | None) -> torch.Tensor | None:

@@ -7,7 +7,8 @@ after the chunk-local cumsum γ of the gate:
     Aqk = Q Kᵀ ⊙ Γ (causal), O = scale(e^γ Q S + Aqk V), S' = e^{γ_C} S + K̃ᵀ V
 
 the scores formed per chunk from the Q and K tiles the pass loads for Q S, and written
-out (64 values a token and head) only when a backward will follow. Its backward is the
+out (64 values a token and head) only when a backward will follow. Where the pass would
+leave program slots idle it runs as a lead split (``chunk_fwd_inter``'s module text). Its backward is the
 staged gradient of the gated delta rule with W = 0: the states h are recomputed
 (``chunk_delta_h`` without W; where the forward split few long sequences into segments,
 segment by segment from the states entering them, which the forward keeps), then the
@@ -91,7 +92,8 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
     o, final_state, segment_states = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, None, None, Aqk, scale, initial_state, output_final_state,
         cu_seqlens=cu_seqlens, offsets=offsets, scores_out=scores_out,
-        segment_chunks=_segment_chunks(k, v, offsets), return_segment_states=True)
+        segment_chunks=_segment_chunks(k, v, offsets), return_segment_states=True,
+        lead_chunks=None)
     return o, final_state, g_cum, Aqk if scores_out is None else scores_out, segment_states
 
 
