@@ -260,8 +260,8 @@ def main(argv=None) -> int:
         "mamba2": (mamba_chunk_scan_combined,),
     }
     if args.split:
-        import fla.ops.common.chunk_fwd_inter as inter
-        inter.segment_chunks_for = lambda *args: 1
+        import fla.ops.common.chunk_segments as segments
+        segments.segment_chunks_for = lambda *args: 1
     print(f"triton {triton.__version__}, target sm_{args.arch}, {args.shape} {args.dtype}"
           f"{' varlen' if args.varlen else ''}", flush=True)
     N = B  # sequences

@@ -185,7 +185,7 @@ def counted_segment_combines(monkeypatch) -> list[bool]:
     segment combines that launch (True each; compile ahead's recording of a first call
     on a GPU launches nothing and appends False): the forward pass's and, where it split,
     the reverse pass's."""
-    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_segments
     from fla.utils.compile_ahead import recording
 
     combines: list[bool] = []
@@ -195,7 +195,7 @@ def counted_segment_combines(monkeypatch) -> list[bool]:
         combines.append(recording() is None)
         return combine(*args, **kwargs)
 
-    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", lambda *args: 1)
+    monkeypatch.setattr(chunk_segments, "segment_chunks_for", lambda *args: 1)
     monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", counted)
     monkeypatch.setattr(chunk_delta_h_bwd, "combine_segment_states", counted)
     return combines

@@ -328,26 +328,27 @@ def test_split_model_matches_the_measured_pass(monkeypatch):
     at every length), picks a length within 3% of the measured best, and keeps the
     measured no-split and split choices of the delta rule."""
     from fla.ops.common import chunk_fwd_inter as inter
-    monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
-    shape = ([256, 256], 16, 2, 2, "scalar", inter.PROGRAMS_PER_SM * 132)
-    step_ms = MEASURED_SPLIT_MS[0] / inter.split_time(0, *shape)  # one output chunk step
+    from fla.ops.common import chunk_segments as segments
+    monkeypatch.setattr(segments, "multiprocessor_count", lambda: 132)
+    shape = ([256, 256], 16, 2, 2, "scalar", segments.PROGRAMS_PER_SM * 132)
+    step_ms = MEASURED_SPLIT_MS[0] / segments.split_time(0, *shape)  # one output chunk step
     for length, ms in MEASURED_SPLIT_MS.items():
-        model = inter.split_time(length, *shape) * step_ms
+        model = segments.split_time(length, *shape) * step_ms
         assert abs(model / ms - 1) < 0.15, (length, model, ms)
-    chosen = inter.segment_chunks_for(*shape[:5])
+    chosen = segments.segment_chunks_for(*shape[:5])
     assert MEASURED_SPLIT_MS[chosen] <= 1.03 * min(MEASURED_SPLIT_MS.values()), chosen
     assert inter.default_segment_chunks(None, 2, 16384, 16, 128, 128, False, True) == chosen
     # The delta rule: 32 programs over 1024 chunks split (3.74 ms unsplit, 1.38 at 64
     # chunks); 128 programs over 256 chunks do not (a split measured 0.99 -> 1.27 ms).
-    split = inter.segment_chunks_for([1024], 8, 4, 8, "delta")
-    assert split and split % inter.MIN_SEGMENT_CHUNKS == 0
-    assert inter.split_time(split, [1024], 8, 4, 8, "delta", 264) < inter.split_time(
-        64, [1024], 8, 4, 8, "delta", 264) < inter.split_time(0, [1024], 8, 4, 8, "delta",
+    split = segments.segment_chunks_for([1024], 8, 4, 8, "delta")
+    assert split and split % segments.MIN_SEGMENT_CHUNKS == 0
+    assert segments.split_time(split, [1024], 8, 4, 8, "delta", 264) < segments.split_time(
+        64, [1024], 8, 4, 8, "delta", 264) < segments.split_time(0, [1024], 8, 4, 8, "delta",
                                                             264)
-    assert inter.segment_chunks_for([256] * 8, 4, 4, 8, "delta") == 0
+    assert segments.segment_chunks_for([256] * 8, 4, 4, 8, "delta") == 0
     # A pass that fills a wave, or sequences too short to cut, is never split.
-    assert inter.segment_chunks_for([1024] * 4, 33, 2, 4, "scalar") == 0
-    assert inter.segment_chunks_for([15], 1, 1, 2, "scalar") == 0
+    assert segments.segment_chunks_for([1024] * 4, 33, 2, 4, "scalar") == 0
+    assert segments.segment_chunks_for([15], 1, 1, 2, "scalar") == 0
 
 
 # Simple GLA's no-grad pass at 1x8192x{96,80}x128 (H100, Triton 3.6, bf16; 128 chunks, 2
@@ -363,22 +364,23 @@ def test_lead_split_model_matches_the_measured_pass(monkeypatch):
     passes it does not fit: a full wave, every program on an SM of its own (Mamba2's 128
     heads: a split measured slower there), short sequences."""
     from fla.ops.common import chunk_fwd_inter as inter
-    monkeypatch.setattr(inter, "multiprocessor_count", lambda: 132)
-    inter._lead_lengths.clear()
+    from fla.ops.common import chunk_segments as segments
+    monkeypatch.setattr(segments, "multiprocessor_count", lambda: 132)
+    segments._lead_lengths.clear()
     for heads, measured in MEASURED_LEAD_MS.items():
-        shape = ([128], heads, 2, 2, inter.program_slots())
+        shape = ([128], heads, 2, 2, segments.program_slots())
         step_ms = measured[0] / 128          # the unsplit pass: one wave of 128 steps
         for lead, ms in measured.items():
-            model = (inter.lead_split_time(lead, *shape) if lead else 128) * step_ms
+            model = (segments.lead_split_time(lead, *shape) if lead else 128) * step_ms
             assert abs(model / ms - 1) < 0.15, (heads, lead, model, ms)
-        chosen = inter.lead_chunks_for(*shape[:4])
+        chosen = segments.lead_chunks_for(*shape[:4])
         best = min(measured, key=measured.get)
         assert (measured[chosen] <= 1.03 * measured[best] if chosen in measured
                 else abs(chosen - best) <= 4), (heads, chosen, best)
         assert inter.default_lead_chunks(None, 1, 8192, heads, 128, 128, True) == chosen
-    assert inter.lead_chunks_for([64] * 4, 32, 1, 1) == 0      # 128 programs, 132 SMs
-    assert inter.lead_chunks_for([64] * 4, 64, 2, 2) == 0      # 512 programs: full
-    assert inter.lead_chunks_for([32] * 8, 12, 2, 2) == 0      # short sequences
+    assert segments.lead_chunks_for([64] * 4, 32, 1, 1) == 0      # 128 programs, 132 SMs
+    assert segments.lead_chunks_for([64] * 4, 64, 2, 2) == 0      # 512 programs: full
+    assert segments.lead_chunks_for([32] * 8, 12, 2, 2) == 0      # short sequences
 
 
 @pytest.mark.interpret

@@ -6,7 +6,7 @@ launch model's picks at the benchmark shapes (host only)."""
 import pytest
 import torch
 
-from fla.ops.common import chunk_fwd_inter
+from fla.ops.common import chunk_segments
 from fla.ops.common.chunk_gk_fwd import chunk_gk_fwd_A, chunk_gk_fwd_h, gk_default_segment_chunks
 from fla.ops.gla import chunk_gla
 from fla.ops.rwkv6 import chunk_rwkv6
@@ -29,7 +29,7 @@ def force_segments(monkeypatch, chunks: int) -> list:
         forms.append(form)
         return chunks
 
-    monkeypatch.setattr(chunk_fwd_inter, "segment_chunks_for", pick)
+    monkeypatch.setattr(chunk_segments, "segment_chunks_for", pick)
     return forms
 
 
@@ -139,12 +139,12 @@ def test_launch_model_splits_only_thin_grids(monkeypatch):
     splits, into segments that save the model's required share; grids that already fill
     the GPU (1x8192x96x128: 192 programs) or sequences too short to gain do not; the
     packed form of a batch picks as the batch does."""
-    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: 132)
+    monkeypatch.setattr(chunk_segments, "multiprocessor_count", lambda: 132)
     chunks = gk_default_segment_chunks(None, 2, 16384, 16, 128, 128)
-    assert chunks > 0 and chunks % chunk_fwd_inter.MIN_SEGMENT_CHUNKS == 0, chunks
-    model = ([256, 256], 16, 2, 2, "vector", chunk_fwd_inter.program_slots())
-    assert (chunk_fwd_inter.split_time(chunks, *model)
-            <= (1 - chunk_fwd_inter.MIN_SPLIT_SAVING) * chunk_fwd_inter.split_time(0, *model))
+    assert chunks > 0 and chunks % chunk_segments.MIN_SEGMENT_CHUNKS == 0, chunks
+    model = ([256, 256], 16, 2, 2, "vector", chunk_segments.program_slots())
+    assert (chunk_segments.split_time(chunks, *model)
+            <= (1 - chunk_segments.MIN_SPLIT_SAVING) * chunk_segments.split_time(0, *model))
     assert gk_default_segment_chunks([0, 16384, 32768], 1, 32768, 16, 128, 128) == chunks
     assert gk_default_segment_chunks(None, 2, 16384, 16, 128, 128, False) > 0
     for B, T, H, D in NO_SPLIT_SHAPES:

@@ -172,10 +172,10 @@ def test_forward_without_gradients_above_k128(dtype, device, seed, monkeypatch):
 def test_staged_forward_only_where_the_pass_would_not_split(monkeypatch):
     """Few long sequences keep the fused pass (cut into segments on an H100's 132 SMs):
     the staged state pass would walk each one whole."""
-    from fla.ops.common import chunk_fwd_inter
+    from fla.ops.common import chunk_segments
     from fla.ops.simple_gla import chunk as simple_gla_chunk
-    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: 132)
-    chunk_fwd_inter._segment_lengths.clear()
+    monkeypatch.setattr(chunk_segments, "multiprocessor_count", lambda: 132)
+    chunk_segments._segment_lengths.clear()
 
     def splits(B, T, H, K=256, V=256, offsets=None):
         k = torch.empty(B, T, H, K, device="meta")
@@ -186,7 +186,7 @@ def test_staged_forward_only_where_the_pass_would_not_split(monkeypatch):
     assert splits(1, 40000, 2, offsets=[0, 39000, 40000])
     assert not splits(8, 2048, 32)              # the benchmark shape fills the GPU
     assert not splits(1, 900, 4)                # too short to cut
-    chunk_fwd_inter._segment_lengths.clear()
+    chunk_segments._segment_lengths.clear()
 
 
 def test_backward_without_scores_above_k128_is_refused():

@@ -11,7 +11,7 @@ compared with the float64 loop. The GPU config sweeps of each family run every h
 """
 import pytest
 
-from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_gk_fwd
+from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_gk_fwd, chunk_segments
 from tests.helpers import generator, odd_length
 from tests.ops import gated_delta_cases, test_gla, test_rwkv6
 from tests.ops.config_sweep import record_launches
@@ -30,7 +30,7 @@ def _row_heights(monkeypatch, names, call) -> dict:
     launch's key)."""
     from fla.utils import grid
     monkeypatch.setattr(grid, "multiprocessor_count", lambda: 1)
-    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: 1)
+    monkeypatch.setattr(chunk_segments, "multiprocessor_count", lambda: 1)
     launches = {name: record_launches(monkeypatch, PASSES[name]) for name in names}
     call()
     heights = {}

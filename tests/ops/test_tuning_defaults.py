@@ -456,11 +456,11 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
     where the pass splits, the staged pass on thin grids (H100, ms for the recompute and
     W: 1x8192x96x128 0.73 against 0.83, 4x4096x64x128 0.84 against 1.03, 1x65536x8x128
     split 1.01, 8x2048x32x256 1.47; 2x16384x16x128 0.73 against 0.55 staged)."""
-    from fla.ops.common import chunk_fwd_inter
+    from fla.ops.common import chunk_segments
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
     from fla.utils import grid
     monkeypatch.setattr(grid, "multiprocessor_count", lambda: SMS)
-    monkeypatch.setattr(chunk_fwd_inter, "multiprocessor_count", lambda: SMS)
+    monkeypatch.setattr(chunk_segments, "multiprocessor_count", lambda: SMS)
     expected = {"1x8192x96x128": True, "4x4096x64x128": True, "1x65536x8x128": True,
                 "8x2048x32x256": True, "2x16384x16x128": False, "4x2048x16x128": False}
     for shape, from_pass in expected.items():

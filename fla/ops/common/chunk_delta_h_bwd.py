@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from fla.ops.common.chunk_fwd_inter import (combine_segment_states, segment_of_program,
-                                            segment_tables, state_columns)
+                                            state_columns)
+from fla.ops.common.chunk_segments import segment_tables
 from fla.ops.utils.index import first_chunk_row, prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
                                  tile_width)

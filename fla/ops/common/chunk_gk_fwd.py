@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common import chunk_fwd_inter
+from fla.ops.common import chunk_fwd_inter, chunk_segments
 from fla.ops.common.chunk_fwd_inter import segment_of_program
 from fla.ops.utils.index import first_chunk_row, locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
@@ -868,14 +868,13 @@ def chunk_gk_fwd_A(q, k, g, u=None, cu_seqlens=None, chunk_indices=None,
 def gk_default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
                               V: int, gated_operands: bool = True) -> int:
     """What :func:`chunk_gk_fwd_h` picks for ``segment_chunks=None`` (0: no split): the
-    split's launch model (:func:`fla.ops.common.chunk_fwd_inter.segment_chunks_for`, form
+    split's launch model (:func:`fla.ops.common.chunk_segments.segment_chunks_for`, form
     "vector") over the sequences of the host token ``offsets`` (None: B of T tokens),
     with the output and transition programs' tile widths of the tuning defaults."""
     output_tiles, transition_tiles = _pass_tiles(K, V, gated_operands)
     # Through the module: tests and scripts/compile_check.py patch it to force a split.
-    return chunk_fwd_inter.segment_chunks_for(chunk_fwd_inter.sequence_chunks(offsets, B, T),
-                                              H, output_tiles, transition_tiles,
-                                              "vector")
+    return chunk_segments.segment_chunks_for(chunk_segments.sequence_chunks(offsets, B, T),
+                                             H, output_tiles, transition_tiles, "vector")
 
 
 @functools.lru_cache(maxsize=64)
@@ -940,7 +939,7 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
 
     if offsets is None:
         offsets = list(range(0, B * T + 1, T))
-    segments, seg_offsets = chunk_fwd_inter.segment_tables(offsets, segment_chunks, k.device)
+    segments, seg_offsets = chunk_segments.segment_tables(offsets, segment_chunks, k.device)
     P = segments.shape[0]
     x = torch.empty(P, H, K, V, dtype=torch.float32, device=k.device)
     seg_decay = torch.empty(P, H, K, dtype=torch.float32, device=k.device)
