@@ -139,8 +139,8 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
 # tables; `python -m benchmarks.lead_split` times it through the launcher): unsplit 0.550
 # ms; lead pieces of 16 / 24 / 32 / 40 / 48 chunks 0.503 / 0.480 / 0.465 / 0.539 / 0.579
 # (transitions 0.032-0.071 of it); the model picks 32 (112 steps against 128). At
-# 1x8192x80x128: 0.543 unsplit, 0.478 / 0.454 / 0.430 at 24 / 32 / 40 (the model picks
-# 42, untimed). Where every program has an SM of its own
+# 1x8192x80x128 through the launcher: 0.539 unsplit, 0.479 / 0.459 / 0.434 / 0.426 / 0.460
+# at 24 / 32 / 40 / 42 / 48 (the model picks 42). Where every program has an SM of its own
 # the split would put two on an SM and slow every step (Mamba2's 128 heads on 132 SMs:
 # a uniform split measured no faster), so it is not considered there; nor for short
 # sequences, whose passes are host-bound.
