@@ -382,6 +382,14 @@ def test_lead_split_model_matches_the_measured_pass(monkeypatch):
     assert segments.lead_chunks_for([64] * 4, 32, 1, 1) == 0      # 128 programs, 132 SMs
     assert segments.lead_chunks_for([64] * 4, 64, 2, 2) == 0      # 512 programs: full
     assert segments.lead_chunks_for([32] * 8, 12, 2, 2) == 0      # short sequences
+    # A packed batch of long uneven sequences (new lengths every training step): at most
+    # 64 lengths modelled, each a list of every piece.
+    modelled = []
+    model = segments.lead_split_time
+    monkeypatch.setattr(segments, "lead_split_time",
+                        lambda *args: modelled.append(args[0]) or model(*args))
+    segments.lead_chunks_for([1000, 700, 430, 990, 64, 880, 300, 777], 16, 2, 2)
+    assert 0 < len(modelled) <= 65, len(modelled)
 
 
 @pytest.mark.interpret

@@ -190,8 +190,8 @@ def lead_split_time(lead: int, seq_chunks: list[int], heads: int, output_tiles: 
 def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
                     transition_tiles: int) -> int:
     """The lead piece's length (chunks) for the scalar-decay pass over sequences of
-    ``seq_chunks`` chunks, or 0: no lead split (see LEAD_SPLIT_MIN_CHUNKS above).
-    Remembered per argument set."""
+    ``seq_chunks`` chunks, or 0: no lead split (see LEAD_SPLIT_MIN_CHUNKS above). The
+    model's best of at most 64 lengths, remembered per argument set."""
     slots = program_slots()
     programs = len(seq_chunks) * heads * output_tiles
     longest = max(seq_chunks)
@@ -201,7 +201,11 @@ def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     chosen = _lead_lengths.get(key)
     if chosen is None:
         shape = (seq_chunks, heads, output_tiles, transition_tiles, slots)
-        chosen = min(range(1, longest // 2 + 1), key=lambda n: lead_split_time(n, *shape))
+        # At most 64 candidate lengths (every one up to 128-chunk sequences): packed
+        # batches bring new lengths every step, and each candidate lists every piece.
+        step = cdiv(longest, 128)
+        chosen = min(range(step, longest // 2 + 1, step),
+                     key=lambda n: lead_split_time(n, *shape))
         if lead_split_time(chosen, *shape) > (1 - MIN_LEAD_SAVING) * longest:
             chosen = 0
         if len(_lead_lengths) >= 256:
