@@ -286,28 +286,6 @@ def test_simple_gla_pass_as_a_lead_split(device, seed, dtype, case, gated):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pass_reads_grouped_q_k_heads(device, seed, dtype):
-    """q and k with fewer heads than v (each serving three consecutive value heads): the
-    pass gives what it gives fed q and k copied to every value head, bit for bit, whole,
-    split into segments and as a lead split; refused with the delta."""
-    gen = generator(seed)
-    p = make_problem(gen, device, B=2, T=300, H=6, K=32, V=32, dtype=dtype)
-    q, k = (p[n][:, :, ::3].contiguous() for n in ("q", "k"))
-    copied = dict(p, beta=None, q=q.repeat_interleave(3, dim=2),
-                  k=k.repeat_interleave(3, dim=2))
-    grouped = dict(p, beta=None, q=q, k=k)
-    for split, lead in ((0, 0), (2, 0), (0, 2)):
-        o, ht = run_inter(grouped, True, None, None, segment_chunks=split, lead_chunks=lead)
-        o_ref, ht_ref = run_inter(copied, True, None, None, segment_chunks=split,
-                                  lead_chunks=lead)
-        assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref), (split, lead)
-    Ai = torch.zeros(*p["k"].shape[:3], 64, dtype=dtype, device=device)
-    with pytest.raises(ValueError, match="grouped q/k heads"):
-        run_inter(grouped, True, Ai, Ai)
-
-
-@pytest.mark.interpret
 def test_lead_split_tables(device):
     """Pieces numbered sequence by sequence in time order; the transitions list the cut
     sequences' lead pieces, the outputs every piece longest first, with their rows."""

@@ -165,41 +165,6 @@ def test_chunk_scan_matches_float64_loop(dtype, device, seed):
     compare_chunk(inputs, dtype, device, gen, chunk_size=256, dt_softplus=True)
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("G", [1, 2])
-def test_chunk_scan_without_a_backward_reads_the_groups(G, dtype, device, seed, monkeypatch):
-    """Without gradients the chunked op reads each group's B and C itself (no copies to
-    the heads): y and the final states equal the float64 loop's, and the run with
-    gradients (which copies them) within a rounding."""
-    from fla.ops.mamba2 import chunk as mamba2_chunk
-    gen = generator(seed)
-    inputs = make_inputs(gen, b=2, T=100, H=4, G=G, P=16, N=32)
-    with torch.no_grad():   # on the same rounded inputs
-        y_ref, ht_ref = naive_ssd(**{n: None if t is None else t.to(torch.float64)
-                                     for n, t in leaves_of(inputs, dtype,
-                                                           reference_device(device)).items()},
-                                  return_final_states=True, dt_softplus=True)
-    copies = []
-    expand = mamba2_chunk.heads_of_groups
-    monkeypatch.setattr(mamba2_chunk, "heads_of_groups",
-                        lambda t, H: copies.append(H) or expand(t, H))
-    leaves = leaves_of(inputs, dtype, device)
-    with torch.no_grad():
-        y, ht = mamba_chunk_scan_combined(**leaves, chunk_size=64, dt_softplus=True,
-                                          return_final_states=True)
-    assert copies == []
-    y_grad, ht_grad = mamba_chunk_scan_combined(**leaves, chunk_size=64, dt_softplus=True,
-                                                return_final_states=True)
-    assert copies == [4, 4]
-    tol = TOLERANCE[dtype]
-    assert_rel_close("y", y, y_ref, tol)
-    assert_rel_close("final_states", ht, ht_ref, tol)
-    assert_rel_close("y against the run with gradients", y, y_grad.detach(), tol)
-    assert_rel_close("final_states against the run with gradients", ht, ht_grad.detach(),
-                     tol)
-
-
 CHUNK_CASES = {
     # D per channel, no z, one group shared by all heads, dt clamped on both sides.
     "D_per_channel_clamped": dict(shape=dict(G=1, D="HP", z=False), dt_range=(0.01, 0.6),

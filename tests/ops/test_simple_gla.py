@@ -92,41 +92,6 @@ def test_varlen_uneven_sequences(mode, device, seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_grouped_value_heads_without_a_backward(dtype, varlen, device, seed, monkeypatch):
-    """Without a backward to feed, the forward pass reads each group's q and k itself (no
-    copies to the value heads): the output and final state equal the float64 loop's, and
-    the op run with gradients (which copies q and k to every value head) within a
-    rounding; the pass saw the groups' heads only without gradients."""
-    from fla.ops.simple_gla import chunk as simple_gla_chunk
-    gen = generator(seed)
-    lengths = uneven_lengths(3, gen, low=1, high=150)
-    B, T, N, cu = packed_or_batch(lengths, varlen, device)
-    x = make_inputs(gen, B=B, T=T, H=2, HV=6, K=32, V=16, N=N)
-    o_ref, ht_ref = naive_recurrent_simple_gla(**x, output_final_state=True,
-                                               cu_seqlens=None if cu is None else cu.cpu())
-    leaves = {n: (None if t is None else t.to(torch.float32 if n in ("g", "initial_state")
-                                               else dtype).to(device))
-              for n, t in x.items()}
-    heads = []
-    pass_ = simple_gla_chunk.chunk_gated_delta_rule_fwd_inter
-    monkeypatch.setattr(simple_gla_chunk, "chunk_gated_delta_rule_fwd_inter",
-                        lambda q, k, *a, **kw: heads.append(k.shape[2]) or pass_(q, k, *a, **kw))
-    with torch.no_grad():
-        o, ht = chunk_simple_gla(**leaves, output_final_state=True, cu_seqlens=cu)
-    o_grad, ht_grad = chunk_simple_gla(**{n: None if t is None else t.requires_grad_()
-                                          for n, t in leaves.items()},
-                                       output_final_state=True, cu_seqlens=cu)
-    assert heads == [2, 6], heads
-    tol = TOLERANCE[dtype]
-    assert_rel_close("o", o, o_ref, tol)
-    assert_rel_close("final_state", ht, ht_ref, tol)
-    assert_rel_close("o against the op with gradients", o, o_grad.detach(), tol)
-    assert_rel_close("final_state against the op with gradients", ht, ht_grad.detach(), tol)
-
-
-@pytest.mark.interpret
 @pytest.mark.parametrize("varlen", [False, True])
 def test_scores_kept_only_for_a_backward(varlen, device, seed):
     """The forward keeps the chunk scores only when a gradient will be needed; a backward

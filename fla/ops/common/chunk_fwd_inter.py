@@ -269,7 +269,6 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr,
     h=None, v_new=None, chunk_offsets=None, STATES_ONLY: tl.constexpr = False,
-    QK_GROUP: tl.constexpr = 1,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -278,8 +277,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     (no transition) is indexed by sequence instead, written by the program that walks the
     sequence's last chunk.
 
-    ``q, k [B, T, H / QK_GROUP, K]`` (each q/k head serving QK_GROUP value heads; 1 with
-    the delta), ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
+    ``q, k [B, T, H, K]``, ``v, o [B, T, H, V]``, ``g_cum, beta [B, T, H]``,
     ``Ai, Aqk [B, T, H, 64]`` (with ``FORM_AQK``, simple GLA only, Aqk is not read:
     each chunk's scores are formed here from the Q and K tiles that Q S loads anyway;
     with ``STORE_AQK`` too, the first V tile's program writes them to Aqk for the
@@ -301,13 +299,6 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     W: tl.constexpr = K + V if AUGMENTED else V
     BT: tl.constexpr = 64  # (a module-level int is not readable inside @jit on Triton 3.6)
     i_w, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # Grouped q/k heads: HQ = H / QK_GROUP of them, value head i_h reading q/k head i_hq.
-    if QK_GROUP == 1:
-        HQ = H
-        i_hq = i_h
-    else:
-        HQ = H // QK_GROUP
-        i_hq = i_h // QK_GROUP
     i_n, bos, T, first, end = segment_of_program(i_p, segments, cu_seqlens, T, BT, SPLIT,
                                                  IS_VARLEN)
     if STATES_ONLY:
@@ -331,7 +322,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     for i_t in range(first, end):
         row0 = bos + i_t * BT
         m_t = (i_t * BT + o_t) < T
-        p_qk = (row0 * HQ + i_hq) * K + o_t[:, None] * (HQ * K) + o_k[None, :]
+        p_qk = (row0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :]
         if STATES_ONLY:
             store_state_tiles(h, ((boh + i_t) * H + i_h) * (K * W), b_h1, b_h2, b_h3, b_h4,
                               o_s, o_k, m_w, K, W, BK)
@@ -426,7 +417,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             if K > 3 * BK:
                 b_h4 = tl.dot(tl.trans(b_k4), b_vn, b_h4, input_precision=DOT_PRECISION)
         else:
-            p_kt = k + (row0 * HQ + i_hq) * K + o_k[:, None] + o_t[None, :] * (HQ * K)
+            p_kt = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
             b_h1 = tl.dot(tl.load(p_kt, mask=(o_k < K)[:, None] & m_t[None, :], other=0.),
                           b_vn, b_h1, input_precision=DOT_PRECISION)
             if K > BK:
@@ -668,8 +659,6 @@ def chunk_gated_delta_rule_fwd_inter(
 
     Args:
         q, k: ``[B, T, H, K]``, K ≤ 256; v: ``[B, T, H, V]``, V ≤ 256 (one dtype).
-            Without the delta and ``states_out``, q and k may have fewer heads than v
-            (a divisor of H: each q/k head serves H / HQ consecutive value heads).
         g_cum: ``[B, T, H]`` float32 chunk-local cumulative decay γ, or None.
         beta: ``[B, T, H]``.
         Ai, Aqk: ``[B, T, H, 64]`` from :func:`chunk_gated_delta_rule_fwd_intra` (Ai and
@@ -721,11 +710,8 @@ def chunk_gated_delta_rule_fwd_inter(
                          f"{MAX_K_FORMING_SCORES} (got K = {k.shape[-1]}): pass Aqk")
     if scores_out is not None and Aqk is not None:
         raise ValueError("scores_out is for a pass that forms its own scores (Aqk None)")
-    B, T, HQ, K = k.shape
-    H, V = v.shape[-2:]
-    if H != HQ and (H % HQ or Ai is not None or states_out is not None):
-        raise ValueError(f"grouped q/k heads ({HQ} for {H} value heads) only for the "
-                         f"output pass without the delta, and {H} a multiple of {HQ}")
+    B, T, H, K = k.shape
+    V = v.shape[-1]
     if offsets is None:
         offsets = list(range(0, B * T + 1, T))
     N = len(offsets) - 1
@@ -749,7 +735,7 @@ def chunk_gated_delta_rule_fwd_inter(
     common = dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ai=Ai, Aqk=Aqk, o=o,
                   cu_seqlens=cu_seqlens, scale=scale, T=T, H=H, K=K, V=V,
                   USE_G=g_cum is not None, IS_VARLEN=varlen,
-                  DELTA=Ai is not None, FORM_AQK=form_scores, QK_GROUP=H // HQ,
+                  DELTA=Ai is not None, FORM_AQK=form_scores,
                   STORE_AQK=form_scores and scores_out is not None,
                   DOT_PRECISION=dot_precision(k.dtype))
     kernel = chunk_gated_delta_rule_fwd_inter_kernel

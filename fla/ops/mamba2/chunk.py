@@ -238,13 +238,8 @@ def _ssd(x, dt, g, B, C, D, initial_states, cu_seqlens, output_final_state, recu
     # is a view (the Mamba2 layer's x is a slice of its xBC projection).
     x = x.contiguous()
     # The simple GLA operands: one dtype for q, k, v (x's); v = dt·x formed in float32.
-    q, k = C.to(x.dtype), B.to(x.dtype)
-    if recurrent or (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, dt, g, B, C, D, initial_states, z))):
-        # A backward sums each group's gradient over its heads in float32
-        # (heads_of_groups); without one the chunked op reads the groups' B and C itself
-        # (grouped value heads), no copy to H heads.
-        q, k = heads_of_groups(q, H), heads_of_groups(k, H)
+    q = heads_of_groups(C.to(x.dtype), H)
+    k = heads_of_groups(B.to(x.dtype), H)
     v = scaled_input(x, dt)
     # Mamba keeps h as [P, N]; simple GLA keeps S = hᵀ as [K, V] = [N, P].
     h0 = None if initial_states is None else initial_states.float().transpose(-1, -2)

@@ -8,14 +8,13 @@ after the chunk-local cumsum γ of the gate:
 
 the scores formed per chunk from the Q and K tiles the pass loads for Q S, and written
 out (64 values a token and head) only when a backward will follow. Where the pass would
-leave program slots idle it runs as a lead split (``chunk_fwd_inter``'s module text);
-with grouped value heads and no backward to feed, it reads each group's q and k itself.
-Its backward is the staged gradient of the gated delta rule with W = 0: the states h are
-recomputed (``chunk_delta_h`` without W; where the forward split few long sequences into
-segments, segment by segment from the states entering them, which the forward keeps),
-then the reverse state pass (``chunk_delta_h_bwd`` without W, split into the same
-segments; dV's in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ
-(``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
+leave program slots idle it runs as a lead split (``chunk_fwd_inter``'s module text). Its backward is the
+staged gradient of the gated delta rule with W = 0: the states h are recomputed
+(``chunk_delta_h`` without W; where the forward split few long sequences into segments,
+segment by segment from the states entering them, which the forward keeps), then the
+reverse state pass (``chunk_delta_h_bwd`` without W, split into the same segments; dV's
+in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the
+reverse chunk-local cumsum of ∂L/∂γ.
 Above K = 128 the scores come from ``chunk_fwd_intra`` instead, and a forward that feeds
 no backward runs in two stages: the state entering each chunk (``chunk_delta_h``), then
 every chunk's output in parallel (``chunk_o``).
@@ -101,8 +100,7 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
 def _segment_chunks(k, v, offsets) -> int:
     # The forward pass's split (it forms its scores up to K = 128), computed alike by the
     # backward, whose states pass restarts from the forward's segment states.
-    B, T, _, K = k.shape
-    H = v.shape[2]
+    B, T, H, K = k.shape
     return default_segment_chunks(offsets, B, T, H, K, v.shape[-1], False,
                                   K <= SCORES_IN_PASS_MAX_K)
 
@@ -110,8 +108,7 @@ def _segment_chunks(k, v, offsets) -> int:
 def _pass_would_split(k, v, offsets) -> bool:
     # Few long sequences: the staged state pass would walk them whole, one program per
     # tile, where the fused pass cuts them into segments run in parallel.
-    B, T, _, K = k.shape
-    H = v.shape[2]
+    B, T, H, K = k.shape
     return default_segment_chunks(offsets, B, T, H, K, v.shape[-1], False, False) > 0
 
 
@@ -234,21 +231,18 @@ def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
     """Run validated inputs (``g`` already the total log decay) through the chunked
     algorithm; returns time-major ``(o, final_state)``."""
     q, k = x.q, x.k
-    # The scores are written out only for a backward (100 MB at 1x8192x96x128 in bf16).
-    save_scores = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, x.v, x.g, x.initial_state))
-    torch_path = select_backend(x.q, x.v) is Backend.TORCH
-    if x.HV != x.H and (save_scores or torch_path or x.K > SCORES_IN_PASS_MAX_K):
+    if x.HV != x.H:
         # Grouped value heads: each q/k head serves HV // H value heads (autograd sums).
-        # Without a backward the forward pass reads the groups' q and k itself
-        # (Mamba2's one group of B and C: no copies to 32 heads).
         q = q.repeat_interleave(x.HV // x.H, dim=2)
         k = k.repeat_interleave(x.HV // x.H, dim=2)
     x = x.with_tensors(q, k, x.beta)
-    if torch_path:
+    if select_backend(x.q, x.v) is Backend.TORCH:
         return _chunk_torch(x, output_final_state)
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
+    # The scores are written out only for a backward (100 MB at 1x8192x96x128 in bf16).
+    save_scores = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, x.v, x.g, x.initial_state))
     o, final_state, _, _, _ = _chunk_fwd(q, k, x.v, x.g, x.initial_state, x.scale,
                                          output_final_state, save_scores, x.cu_seqlens,
                                          chunk_indices, x.seq_offsets)
