@@ -8,13 +8,13 @@ after the chunk-local cumsum γ of the gate:
 
 the scores formed per chunk from the Q and K tiles the pass loads for Q S, and written
 out (64 values a token and head) only when a backward will follow. Where the pass would
-leave program slots idle it runs as a lead split (``chunk_fwd_inter``'s module text). Its backward is the
-staged gradient of the gated delta rule with W = 0: the states h are recomputed
-(``chunk_delta_h`` without W; where the forward split few long sequences into segments,
-segment by segment from the states entering them, which the forward keeps), then the
-reverse state pass (``chunk_delta_h_bwd`` without W, split into the same segments; dV's
-in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the
-reverse chunk-local cumsum of ∂L/∂γ.
+leave program slots idle it runs as a lead split (``chunk_fwd_inter``'s module text).
+Its backward is the staged gradient of the gated delta rule with W = 0: the states h are
+recomputed (``chunk_delta_h`` without W; where the forward split few long sequences into
+segments, segment by segment from the states entering them, which the forward keeps),
+then the reverse state pass (``chunk_delta_h_bwd`` without W, split into the same
+segments; dV's in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ
+(``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
 Above K = 128 the scores come from ``chunk_fwd_intra`` instead, and a forward that feeds
 no backward runs in two stages: the state entering each chunk (``chunk_delta_h``), then
 every chunk's output in parallel (``chunk_o``).
