@@ -286,6 +286,19 @@ def test_simple_gla_pass_as_a_lead_split(device, seed, dtype, case, gated):
 
 
 @pytest.mark.interpret
+def test_split_tables(device):
+    """The uniform split's transitions list every segment but each sequence's last (the
+    output launch writes the final states), with their rows in the output table."""
+    from fla.ops.common.chunk_segments import split_tables
+    # Sequences of 5, 2 and 3 chunks (the last partial) in 2-chunk segments.
+    transitions, outputs, starts = split_tables([0, 300, 428, 600], 2, device)
+    assert starts.tolist() == [0, 3, 4, 6]
+    assert outputs.tolist() == [[0, 0, 2, 0], [0, 2, 4, 1], [0, 4, 5, 2], [1, 0, 2, 3],
+                                [2, 0, 2, 4], [2, 2, 3, 5]]
+    assert transitions.tolist() == [[0, 0, 2, 0], [0, 2, 4, 1], [2, 0, 2, 4]]
+
+
+@pytest.mark.interpret
 def test_lead_split_tables(device):
     """Pieces numbered sequence by sequence in time order; the transitions list the cut
     sequences' lead pieces, the outputs every piece longest first, with their rows."""

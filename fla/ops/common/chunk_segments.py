@@ -239,15 +239,22 @@ def segment_tables(offsets: list[int], chunks: int, device,
     cached = _segment_tables.get(key)
     if cached is not None:
         return cached
-    rows, starts = [], [0]
-    for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
-        total = -(-(eos - bos) // CHUNK)
-        pieces = [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
-        rows += pieces[::-1] if reverse else pieces
-        starts.append(len(rows))
+    rows, starts = _uniform_rows(offsets, chunks, reverse)
     tables = (_table(rows, device), torch.tensor(starts, dtype=torch.int32).to(device))
     _remember(_segment_tables, key, tables)
     return tables
+
+
+def _uniform_rows(offsets: list[int], chunks: int, reverse: bool = False
+                  ) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The uniform split's rows (sequence, first chunk, end chunk) and each sequence's
+    first row, on the host."""
+    rows, starts = [], [0]
+    for n, total in enumerate(chunk_counts(offsets, CHUNK)):
+        pieces = [(n, c, min(c + chunks, total)) for c in range(0, total, chunks)]
+        rows += pieces[::-1] if reverse else pieces
+        starts.append(len(rows))
+    return rows, starts
 
 
 def _table(rows: list[tuple[int, int, int]], device, state_rows=None) -> torch.Tensor:
@@ -267,18 +274,19 @@ def _remember(cache: dict, key, value) -> None:
 
 def split_tables(offsets: list[int], chunks: int, device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The uniform split's tables for :func:`_split_pass`: ``(transitions, outputs,
-    seg_offsets)``, ``outputs`` and ``seg_offsets`` those of :func:`segment_tables`,
-    ``transitions`` its rows but each sequence's last (whose transition only the final
-    state would need, and the output launch writes that)."""
+    """The uniform split's tables for ``chunk_fwd_inter``'s split pass: ``(transitions,
+    outputs, seg_offsets)``, ``outputs`` and ``seg_offsets`` those of
+    :func:`segment_tables`, ``transitions`` its rows but each sequence's last (whose
+    transition only the final state would need, and the output launch writes that).
+    Built on the host, cached per (offsets, size)."""
     key = ("split", tuple(offsets), chunks, str(device))
     cached = _segment_tables.get(key)
     if cached is not None:
         return cached
     outputs, seg_offsets = segment_tables(offsets, chunks, device)
-    starts = seg_offsets.tolist()
+    rows, starts = _uniform_rows(offsets, chunks)
     walked = [i for n in range(len(starts) - 1) for i in range(starts[n], starts[n + 1] - 1)]
-    tables = (outputs[walked], outputs, seg_offsets)
+    tables = (_table([rows[i] for i in walked], device, walked), outputs, seg_offsets)
     _remember(_segment_tables, key, tables)
     return tables
 
