@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.elementwise import one_stage_default, one_stage_space, row_tile
+from fla.ops.utils.elementwise import (
+    one_stage_default,
+    one_stage_space,
+    row_tile,
+    rows_per_program,
+)
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import stage_op
 from fla.utils.grid import cdiv, next_power_of_2
@@ -26,12 +31,9 @@ from fla.utils.tuning import tuned
 __all__ = ["heads_of_groups", "scaled_input", "group_heads_kernel", "sum_group_heads_kernel",
            "scaled_input_fwd_kernel", "scaled_input_bwd_kernel"]
 
-# Values a program moves per tile (16 fp32 registers a thread at 4 warps).
-_TILE = 2048
-
-
 def _rows_per_program(width: int) -> int:
-    return max(1, _TILE // next_power_of_2(width))
+    # 2048 values a tile (16 fp32 registers a thread at 4 warps), as many rows as fit.
+    return rows_per_program(width, values=2048, least=1, most=2048)
 
 
 # ------------------------------------------------------------------------ heads of groups

@@ -73,7 +73,8 @@ def skip_gate_bwd_kernel(o, x, D, z, dy, do, dx, dz, dD_part, R, C: tl.constexpr
                          BR: tl.constexpr, BC: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_Z: tl.constexpr):
     """Same grid: ``do`` and ``dz`` (with z; without it do is dy), ``dx`` (with D) and
-    this program's partial sum of dD over its BR rows (row ``program_id(0)`` of ``dD_part [cdiv(R, BR), C]``)."""
+    this program's partial sum of dD over its BR rows (row ``program_id(0)`` of
+    ``dD_part [cdiv(R, BR), C]``)."""
     i_r = tl.program_id(0)
     _, _, o_c, m_c, m, p = row_tile(i_r, tl.program_id(1), R, C, BR, BC)
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)

@@ -18,10 +18,10 @@ __all__ = ["rows_per_program", "one_stage_default", "one_stage_space", "row_tile
            "softplus", "softplus_grad"]
 
 
-def rows_per_program(width: int) -> int:
-    """Rows of a ``width``-wide tile: 4096 values at most, 16 to 128 rows ([4·4096 tokens,
-    32 heads] is 128 programs)."""
-    return max(16, min(128, 4096 // next_power_of_2(width)))
+def rows_per_program(width: int, values: int = 4096, least: int = 16, most: int = 128) -> int:
+    """Rows of a ``width``-wide tile of at most ``values`` values, ``least`` to ``most``
+    rows (the defaults: [4·4096 tokens, 32 heads] is 128 programs)."""
+    return max(least, min(most, values // next_power_of_2(width)))
 
 
 def one_stage_default(args) -> Config:
