@@ -35,8 +35,10 @@ the transitions ``[M | X]`` of the segments in parallel (``TRANSITION``; a seque
 last segment needs none), a short serial combine per sequence giving every segment its
 entering state, and the output pass over all segments in parallel, whose programs that
 end a sequence write its final state. Without the delta M is the scalar exp(Σ g) times I:
-the transitions then carry only X (K x V, half the columns at K = V) and the combine is a
-scaled add instead of a K x K product per segment.
+the transitions then carry only X (K x V, half the columns at K = V), and the combine,
+a scaled add a segment instead of a K x K product, needs no launch of its own: each
+output program carries its sequence's initial state through the transitions before its
+segment (``CHAIN``).
 
 Without the delta a pass with more programs than SMs but fewer than program slots (96
 heads over one 8K-token sequence: two programs on some SMs, one on the others) may take
@@ -257,6 +259,33 @@ def state_columns(i_w, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     return o_w, m_w, o_v, m_v
 
 
+@triton.jit
+def entering_state(h0, transitions, seg_decay, seg_offsets, i_n, row, i_h, H, o_s, o_k, m_w,
+                   K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr):
+    """The state entering the segment at state row ``row`` of sequence ``i_n`` in a split
+    without the delta, as row tiles: the sequence's initial state ``h0 [N, H, K, W]`` (or
+    zeros) carried through the transitions of its earlier segments, S ← e^d S + X each
+    (``transitions [P, H, K, W]``, ``seg_decay [P, H]``; a sequence's segments have
+    consecutive state rows from ``seg_offsets[i_n]``). The combine launch's work, done
+    by each output program for its own segment: a few K x BV loads, no launch."""
+    b_1, b_2, b_3, b_4 = load_state_tiles(h0, (i_n.to(tl.int64) * H + i_h) * (K * W), o_s,
+                                          o_k, m_w, K, W, BK, BV, USE_INITIAL_STATE)
+    for i_s in range(tl.load(seg_offsets + i_n), row):
+        # int64 offsets (P·H·K·W can pass 2³¹; the add keeps the interpreter's int loop
+        # counter usable).
+        base = tl.full([], 0, tl.int64) + i_s * H + i_h
+        b_d = tl.exp(tl.load(seg_decay + base))
+        b_x1, b_x2, b_x3, b_x4 = load_state_tiles(transitions, base * (K * W), o_s, o_k, m_w,
+                                                  K, W, BK, BV, True)
+        b_1, b_2, b_3, b_4 = decay_state_tiles(b_1, b_2, b_3, b_4, b_d, K, BK)
+        b_1 += b_x1
+        b_2 += b_x2
+        b_3 += b_x3
+        b_4 += b_x4
+    return b_1, b_2, b_3, b_4
+
+
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
             "FEW_PROGRAMS", "STATES_ONLY"],
        default=_default, space=_space)
@@ -269,6 +298,8 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr,
     h=None, v_new=None, chunk_offsets=None, STATES_ONLY: tl.constexpr = False,
+    transitions=None, seg_offsets=None, entry_out=None, CHAIN: tl.constexpr = False,
+    STORE_ENTRY: tl.constexpr = False,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -289,6 +320,12 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
     ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`) is read by the tuning
     layer only (the default tile width and stages).
+    With ``CHAIN`` (a split's output launch without the delta) each program forms the
+    state entering its segment itself, with no combine launch before it: ``h0`` is then
+    indexed by sequence (the initial states), carried through the transitions of the
+    sequence's earlier segments (``transitions [P, H, K, V]`` and ``seg_decay [P, H]``
+    by state row, the sequence's first row at ``seg_offsets [N + 1]``); with
+    ``STORE_ENTRY`` it is also written to ``entry_out [P, H, K, V]`` by state row.
     With ``STATES_ONLY`` (no transition) the pass computes no output: it stores each
     chunk's entering state to ``h [B, NT, H, K, V]`` (``[1, NT_total, ...]`` with varlen,
     sequence n's chunks from ``chunk_offsets[n]``) and, with the delta, Vn to ``v_new [B,
@@ -311,8 +348,17 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     # with the delta starts from [I | 0], every other pass from h0 or zeros.
     o_s = o_k[:, None] * W + o_w[None, :]
     state = (segment_state_row(i_p, segments, SPLIT) * H + i_h) * (K * W)
-    b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_w, K, W, BK, BV,
-                                              USE_INITIAL_STATE and not AUGMENTED)
+    if CHAIN:
+        b_h1, b_h2, b_h3, b_h4 = entering_state(
+            h0, transitions, seg_decay, seg_offsets, i_n, segment_state_row(i_p, segments,
+                                                                            SPLIT),
+            i_h, H, o_s, o_k, m_w, K, W, BK, BV, USE_INITIAL_STATE)
+        if STORE_ENTRY:
+            store_state_tiles(entry_out, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W,
+                              BK)
+    else:
+        b_h1, b_h2, b_h3, b_h4 = load_state_tiles(h0, state, o_s, o_k, m_w, K, W, BK, BV,
+                                                  USE_INITIAL_STATE and not AUGMENTED)
     if AUGMENTED:
         b_h1, b_h2, b_h3, b_h4 = identity_state_tiles(b_h1, b_h2, b_h3, b_h4, o_k, o_w, K, BK)
 
@@ -751,7 +797,7 @@ def chunk_gated_delta_rule_fwd_inter(
         if lead_chunks:
             _split_pass(kernel, common, states, *lead_split_tables(offsets, lead_chunks,
                                                                    k.device),
-                        False, initial_state, final_state)
+                        False, initial_state, final_state, keep_entries=False)
             return (o, final_state, None) if return_segment_states else (o, final_state)
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
@@ -771,19 +817,26 @@ def chunk_gated_delta_rule_fwd_inter(
         check_buffer("segment_states", segment_states, (outputs.shape[0], H, K, V),
                      torch.float32, k.device)
     seg_h0 = _split_pass(kernel, common, states, transitions, outputs, seg_offsets,
-                         Ai is not None, initial_state, final_state, segment_states)
+                         Ai is not None, initial_state, final_state, segment_states,
+                         keep_entries=return_segment_states)
     return (o, final_state, seg_h0) if return_segment_states else (o, final_state)
 
 
 def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
                 outputs: torch.Tensor, seg_offsets: torch.Tensor, delta: bool,
-                initial_state, final_state, segment_states=None) -> torch.Tensor:
+                initial_state, final_state, segment_states=None,
+                keep_entries: bool = True) -> torch.Tensor | None:
     """The pass over segments (tables from :func:`split_tables` or
     :func:`lead_split_tables`): the transitions of every segment but each sequence's last,
     the combine (the state entering every segment), then every segment's output, the
-    segments that end a sequence writing its final state. With ``segment_states`` (the
-    entering states from an earlier pass) only the last launch runs. Returns the entering
-    states ``[P, H, K, V]`` float32."""
+    segments that end a sequence writing its final state. Without the delta there is no
+    combine launch: each output program carries its sequence's initial state through the
+    earlier segments' transitions itself (``CHAIN``; H100, Triton 3.6, simple GLA: the
+    5 µs combine launch gone, the output launch 3.8 µs longer; the op's forward at
+    2x16384x16x128 0.369 -> 0.367 ms, 1x8192x96x128 0.469 -> 0.461, medians of three
+    alternating runs). With ``segment_states`` (the entering
+    states from an earlier pass) only the last launch runs. Returns the entering states
+    ``[P, H, K, V]`` float32 (None without the delta and ``keep_entries``)."""
     H, K, V = common["H"], common["K"], common["V"]
     P = outputs.shape[0]
     seg_h0 = segment_states
@@ -799,6 +852,16 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
                 TRANSITION=True, FEW_PROGRAMS=0,
                 # The transitions use no scores: one compiled variant (and space) for all.
                 **dict(common, FORM_AQK=False, STORE_AQK=False))
+        if not delta:
+            entries = (torch.empty(P, H, K, V, dtype=torch.float32, device=outputs.device)
+                       if keep_entries else None)
+            kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
+                h0=initial_state, ht=final_state, seg_decay=seg_decay, segments=outputs,
+                USE_INITIAL_STATE=initial_state is not None,
+                STORE_FINAL_STATE=final_state is not None, SPLIT=True, TRANSITION=False,
+                FEW_PROGRAMS=0, transitions=mx, seg_offsets=seg_offsets,
+                entry_out=entries, CHAIN=True, STORE_ENTRY=keep_entries, **common, **states)
+            return entries
         # The combine reads the transitions of the segments it walks past (no sequence's
         # last); the final states come from the output launch.
         seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",

@@ -61,7 +61,10 @@ MIN_SEGMENT_CHUNKS = 8
 # memory, two an SM as assumed here; the transition 118 and 48 KB, four an SM.) Since
 # 2026-11-27 chunk_fwd_inter's split runs no transition for a sequence's last segment;
 # the model still counts one, as when it was fitted (at the fitted shapes the transitions
-# fit in one wave either way), and chunk_gk_fwd's split still runs them all.
+# fit in one wave either way), and chunk_gk_fwd's split still runs them all. Since
+# 2026-11-27 the scalar form has no combine launch (each output program walks its
+# sequence's earlier transitions: H100, 2x16384x16x128, the 5 µs launch gone and the
+# output launch 3.8 µs longer); its COMBINE_STEP was not refitted.
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
 COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}
