@@ -829,16 +829,20 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
     """The pass over segments (tables from :func:`split_tables` or
     :func:`lead_split_tables`): the transitions of every segment but each sequence's last,
     the combine (the state entering every segment), then every segment's output, the
-    segments that end a sequence writing its final state. Without the delta there is no
-    combine launch: each output program carries its sequence's initial state through the
-    earlier segments' transitions itself (``CHAIN``; H100, Triton 3.6, simple GLA: the
-    5 µs combine launch gone, the output launch 3.8 µs longer; the op's forward at
-    2x16384x16x128 0.369 -> 0.367 ms, 1x8192x96x128 0.469 -> 0.461, medians of three
-    alternating runs). With ``segment_states`` (the entering
-    states from an earlier pass) only the last launch runs. Returns the entering states
-    ``[P, H, K, V]`` float32 (None without the delta and ``keep_entries``)."""
+    segments that end a sequence writing its final state. With ``segment_states`` (the
+    entering states from an earlier pass) only the last launch runs.
+
+    Without the delta there is no combine launch: each output program carries its
+    sequence's initial state through the earlier segments' transitions itself (``CHAIN``;
+    H100, Triton 3.6, simple GLA: the 5 µs combine launch gone, the output launch 3.8 µs
+    longer; the op's forward at 2x16384x16x128 0.369 -> 0.367 ms, 1x8192x96x128 0.469 ->
+    0.461, three alternating runs), and writes it out only with ``keep_entries``.
+
+    Returns the entering states ``[P, H, K, V]`` float32, or None (no delta and no
+    ``keep_entries``)."""
     H, K, V = common["H"], common["K"], common["V"]
     P = outputs.shape[0]
+    entry = dict(h0=segment_states, seg_decay=None, USE_INITIAL_STATE=True)
     seg_h0 = segment_states
     if seg_h0 is None:
         W = transition_width(K, V, delta)
@@ -852,24 +856,22 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
                 TRANSITION=True, FEW_PROGRAMS=0,
                 # The transitions use no scores: one compiled variant (and space) for all.
                 **dict(common, FORM_AQK=False, STORE_AQK=False))
-        if not delta:
-            entries = (torch.empty(P, H, K, V, dtype=torch.float32, device=outputs.device)
-                       if keep_entries else None)
-            kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
-                h0=initial_state, ht=final_state, seg_decay=seg_decay, segments=outputs,
-                USE_INITIAL_STATE=initial_state is not None,
-                STORE_FINAL_STATE=final_state is not None, SPLIT=True, TRANSITION=False,
-                FEW_PROGRAMS=0, transitions=mx, seg_offsets=seg_offsets,
-                entry_out=entries, CHAIN=True, STORE_ENTRY=keep_entries, **common, **states)
-            return entries
-        # The combine reads the transitions of the segments it walks past (no sequence's
-        # last); the final states come from the output launch.
-        seg_h0 = combine_segment_states(mx, seg_decay, "delta" if delta else "scalar",
-                                        seg_offsets, V, initial_state)
+        if delta:
+            # The combine reads the transitions of the segments it walks past (no
+            # sequence's last); the final states come from the output launch.
+            seg_h0 = combine_segment_states(mx, seg_decay, "delta", seg_offsets, V,
+                                            initial_state)
+            entry["h0"] = seg_h0
+        else:
+            seg_h0 = (torch.empty(P, H, K, V, dtype=torch.float32, device=outputs.device)
+                      if keep_entries else None)
+            entry = dict(h0=initial_state, seg_decay=seg_decay,
+                         USE_INITIAL_STATE=initial_state is not None, CHAIN=True,
+                         transitions=mx, seg_offsets=seg_offsets, entry_out=seg_h0,
+                         STORE_ENTRY=keep_entries)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
-        h0=seg_h0, ht=final_state, seg_decay=None, segments=outputs, USE_INITIAL_STATE=True,
-        STORE_FINAL_STATE=final_state is not None, SPLIT=True, TRANSITION=False,
-        FEW_PROGRAMS=0, **common, **states)
+        ht=final_state, segments=outputs, STORE_FINAL_STATE=final_state is not None,
+        SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **entry, **common, **states)
     return seg_h0
 
 
