@@ -347,12 +347,12 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     # The state as row tiles of the K x W matrix (fla.ops.utils.state_tiles): a transition
     # with the delta starts from [I | 0], every other pass from h0 or zeros.
     o_s = o_k[:, None] * W + o_w[None, :]
-    state = (segment_state_row(i_p, segments, SPLIT) * H + i_h) * (K * W)
+    row = segment_state_row(i_p, segments, SPLIT)
+    state = (row * H + i_h) * (K * W)
     if CHAIN:
         b_h1, b_h2, b_h3, b_h4 = entering_state(
-            h0, transitions, seg_decay, seg_offsets, i_n, segment_state_row(i_p, segments,
-                                                                            SPLIT),
-            i_h, H, o_s, o_k, m_w, K, W, BK, BV, USE_INITIAL_STATE)
+            h0, transitions, seg_decay, seg_offsets, i_n, row, i_h, H, o_s, o_k, m_w, K, W,
+            BK, BV, USE_INITIAL_STATE)
         if STORE_ENTRY:
             store_state_tiles(entry_out, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W,
                               BK)
@@ -489,8 +489,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             store_state_tiles(ht, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W, BK)
     if TRANSITION and not DELTA:
         if i_w == 0:
-            tl.store(seg_decay + segment_state_row(i_p, segments, SPLIT) * H + i_h,
-                     b_log_decay)
+            tl.store(seg_decay + row * H + i_h, b_log_decay)
 
 
 def _combine_default(args) -> Config:

@@ -126,9 +126,7 @@ def segment_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
                      key=lambda n: split_time(n, *shape))
         if split_time(chosen, *shape) > (1 - MIN_SPLIT_SAVING) * split_time(0, *shape):
             chosen = 0
-        if len(_segment_lengths) >= 256:
-            _segment_lengths.clear()
-        _segment_lengths[key] = chosen
+        _remember(_segment_lengths, key, chosen, limit=256)
     return chosen
 
 
@@ -211,9 +209,7 @@ def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
                      key=lambda n: lead_split_time(n, *shape))
         if lead_split_time(chosen, *shape) > (1 - MIN_LEAD_SAVING) * longest:
             chosen = 0
-        if len(_lead_lengths) >= 256:
-            _lead_lengths.clear()
-        _lead_lengths[key] = chosen
+        _remember(_lead_lengths, key, chosen, limit=256)
     return chosen
 
 
@@ -269,8 +265,9 @@ def _table(rows: list[tuple[int, int, int]], device, state_rows=None) -> torch.T
                         dtype=torch.int32).reshape(-1, 4).to(device)
 
 
-def _remember(cache: dict, key, value) -> None:
-    if len(cache) >= 64:
+def _remember(cache: dict, key, value, limit: int = 64) -> None:
+    """``cache[key] = value``, the cache emptied first once it holds ``limit`` entries."""
+    if len(cache) >= limit:
         cache.clear()
     cache[key] = value
 
