@@ -93,3 +93,16 @@ def poisoned_empty(request, monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_step_plans():
+    """Every test starts and ends with no step plan (fla/utils/step_plans.py): a plan
+    recorded by an earlier test, or before a test monkeypatched a knob of the host code
+    (a launch model's constant, a kernel's launch), would replay the host decisions of
+    then."""
+    from fla.utils import step_plans
+
+    step_plans.invalidate()
+    yield
+    step_plans.invalidate()

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fla.utils import compile_ahead
+from fla.utils.step_plans import StepPlans
 
 __all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced",
            "use_op", "outside_graph"]
@@ -121,6 +122,7 @@ class StageOp:
     def __init__(self, name: str, step: Callable, schema: str, label: str,
                  ahead: bool = True) -> None:
         self.name, self.step, self.label, self.ahead = name, step, label, ahead
+        self._plans = StepPlans()
 
         def fake(*args):
             with compile_ahead.launches_skipped():
@@ -136,6 +138,11 @@ class StageOp:
         self._apply: Callable | None = None
 
     def _step(self, *args):
+        # Eager calls repeat their host work through a plan per exact signature
+        # (fla.utils.step_plans); the first calls run the step itself.
+        return self._plans.run(args, self._unplanned)
+
+    def _unplanned(self, *args):
         if self.ahead:  # compile ahead at new argument types
             return compile_ahead.run(self.label, self.step, *args)
         return self.step(*args)

@@ -43,6 +43,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from fla.utils.step_plans import _state as _plans_state
+from fla.utils.step_plans import invalidate as _invalidate_plans
+from fla.utils.step_plans import note_launch, note_untracked_launch
 from fla.utils.triton_facts import launch_hook_holder, runtime_switches_reader
 
 __all__ = ["BoundLaunch", "DirectLauncher", "bound_launches", "direct_launch_enabled",
@@ -251,6 +254,7 @@ class DirectLauncher:
         self._by_caller = {}
         self.bound = {}
         self.seen_once = set()
+        _invalidate_plans()  # the step plans hold the configs chosen before too
 
     def bind(self, named: Mapping[str, Any], tensor_names: Iterable[str],
              grid_of: Callable[[Mapping[str, Any]], Sequence[int]]) -> BoundLaunch | None:
@@ -314,6 +318,7 @@ class DirectLauncher:
             if entry is not None:
                 return self.run(entry, grid, args, key[1])
         self.stats["through_triton"] += 1
+        note_untracked_launch()
         compiled = jit_fn[grid](**args, **options)
         if key is not None and compiled is not None:
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
@@ -365,6 +370,14 @@ class BoundLaunch:
 
 
 def _call_launcher(entry: tuple, grid: Sequence[int], device: int, values: list) -> None:
+    """:func:`_launch_compiled`, noted by a step plan's recording (fla.utils.step_plans)
+    when one runs on this thread."""
+    if getattr(_plans_state, "recorder", None) is not None:
+        note_launch(entry, grid, device, values)
+    _launch_compiled(entry, grid, device, values)
+
+
+def _launch_compiled(entry: tuple, grid: Sequence[int], device: int, values: list) -> None:
     """Call a compiled ``entry``'s launcher as Triton does (3.3 through 3.9 alike): the
     grid (padded to three dims), the current stream of ``device``, the function handle,
     the packed metadata, then the launch metadata and the enter / exit hooks (None: the

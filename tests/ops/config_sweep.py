@@ -16,8 +16,17 @@ def _by_name(tuned_kernel, args, kwargs) -> dict:
     return {**dict(zip(tuned_kernel.arg_names, args)), **kwargs}
 
 
+def _no_step_plans(monkeypatch) -> None:
+    """A replayed step plan (fla/utils/step_plans.py) launches its recorded kernels
+    without calling ``TunedKernel.launch``, which the helpers below replace: off here."""
+    from fla.utils import step_plans
+
+    monkeypatch.setattr(step_plans, "_enabled", [False])
+
+
 def record_launches(monkeypatch, tuned_kernel) -> list:
     """Capture the (grid, arguments by name) of the launcher's calls of ``tuned_kernel``."""
+    _no_step_plans(monkeypatch)
     calls = []
     original = tuned_kernel.launch
 
@@ -31,6 +40,7 @@ def record_launches(monkeypatch, tuned_kernel) -> list:
 
 def force_config(monkeypatch, tuned_kernel, config) -> None:
     """Launch ``tuned_kernel`` with ``config`` exactly (no fallback to another config)."""
+    _no_step_plans(monkeypatch)
     def launch(grid, args, kwargs):
         launch_args = {**_by_name(tuned_kernel, args, kwargs), **config.launch_kwargs()}
         return tuned_kernel.kernel[grid(launch_args) if callable(grid) else grid](**launch_args)
