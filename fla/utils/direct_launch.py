@@ -36,7 +36,6 @@ CUDA only: on ROCm, Triton also specializes a tensor on whether its storage is u
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -46,6 +45,7 @@ import torch
 from fla.utils.step_plans import _state as _plans_state
 from fla.utils.step_plans import invalidate as _invalidate_plans
 from fla.utils.step_plans import note_launch, note_untracked_launch
+from fla.utils.switches import switched
 from fla.utils.triton_facts import launch_hook_holder, runtime_switches_reader
 
 __all__ = ["BoundLaunch", "DirectLauncher", "bound_launches", "direct_launch_enabled",
@@ -63,31 +63,19 @@ def direct_launch_enabled() -> bool:
 _enabled = [True]
 
 
-@contextlib.contextmanager
 def direct_launches(enabled: bool):
     """Turn direct launches on or off inside a block (benchmarks and tests compare the
     two paths in one process)."""
-    previous = _enabled[0]
-    _enabled[0] = enabled
-    try:
-        yield
-    finally:
-        _enabled[0] = previous
+    return switched(_enabled, enabled)
 
 
 _bound_enabled = [True]
 
 
-@contextlib.contextmanager
 def bound_launches(enabled: bool):
     """Turn bound launches (:class:`BoundLaunch`) on or off inside a block; off, each
     launch takes the direct path's lookup (benchmarks compare the two in one process)."""
-    previous = _bound_enabled[0]
-    _bound_enabled[0] = enabled
-    try:
-        yield
-    finally:
-        _bound_enabled[0] = previous
+    return switched(_bound_enabled, enabled)
 
 
 def bound_launches_enabled() -> bool:

@@ -39,7 +39,6 @@ nor their addresses: a replay's launches read whatever the new tensors hold.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
@@ -49,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fla.utils import compile_ahead as _compile_ahead
+from fla.utils.switches import switched
 
 __all__ = ["StepPlans", "step_plans", "invalidate", "note_untracked_launch",
            "note_launch", "plans_enabled"]
@@ -84,15 +84,9 @@ def plans_enabled() -> bool:
     return _enabled[0] and os.environ.get("FLA_STEP_PLANS", "1") not in ("0", "")
 
 
-@contextlib.contextmanager
 def step_plans(enabled: bool):
     """Turn step plans on or off inside a block (tests and benchmarks compare both)."""
-    previous = _enabled[0]
-    _enabled[0] = enabled
-    try:
-        yield
-    finally:
-        _enabled[0] = previous
+    return switched(_enabled, enabled)
 
 
 def invalidate() -> None:

@@ -59,7 +59,21 @@ def _interpreted_launch(self, jit_fn, config, grid, args, options):
 
 
 @pytest.fixture
-def emulated_gpu(monkeypatch):
+def replay_count(monkeypatch):
+    """The plans replayed during a test (a list, one entry a replay)."""
+    replays = []
+    original = step_plans._Plan.__call__
+
+    def counted(self, args):
+        replays.append(self)
+        return original(self, args)
+
+    monkeypatch.setattr(step_plans._Plan, "__call__", counted)
+    return replays
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch, replay_count):
     """Direct launches in the interpreter, and step plans for CPU tensors."""
     if torch.cuda.is_available():
         pytest.skip("emulates the direct launcher where there is no GPU")
@@ -73,17 +87,9 @@ def emulated_gpu(monkeypatch):
     for kernel in _module_objects(TunedKernel):
         monkeypatch.setattr(kernel, "_direct", DirectLauncher(JITFunction(kernel.kernel.fn),
                                                               valued=kernel.key))
-    replays = []
-    original = step_plans._Plan.__call__
-
-    def counted(self, args):
-        replays.append(self)
-        return original(self, args)
-
-    monkeypatch.setattr(step_plans._Plan, "__call__", counted)
     for op in _module_objects(StageOp):
         op._plans.clear()
-    yield replays
+    yield replay_count
     for op in _module_objects(StageOp):
         op._plans.clear()
 
@@ -119,39 +125,42 @@ def _check_replays_match(op, make_inputs, replays, calls=4):
     return replays
 
 
-def test_gated_delta_rule_replays_equal_its_steps(emulated_gpu, seed):
+def _chunk_ops():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
 
-    def op(q, k, v, g, beta, h0):
+    def gdn(q, k, v, g, beta, h0):
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                       output_final_state=True)
 
+    def sgla(q, k, v, g, beta, h0):
+        return chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+
+    def gla(q, k, v, g, beta, h0):
+        gk = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()
+        return chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+    return {"gated_delta_rule": gdn, "simple_gla": sgla, "gla": gla}
+
+
+def test_gated_delta_rule_replays_equal_its_steps(emulated_gpu, seed):
     replays = _check_replays_match(
-        op, lambda i: _gdn_inputs(seed + i, 1, 100, 2, 32, torch.float32), emulated_gpu)
+        _chunk_ops()["gated_delta_rule"], lambda i: _gdn_inputs(seed + i, 1, 100, 2, 32, torch.float32), emulated_gpu)
     # Calls 0 and 1 run the steps (the second recording them), calls 2 and 3 replay the
     # forward and the backward.
     assert len(replays) == 4
 
 
 def test_simple_gla_replays_equal_its_steps(emulated_gpu, seed):
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    def op(q, k, v, g, beta, h0):
-        return chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
-
     replays = _check_replays_match(
-        op, lambda i: _gdn_inputs(seed + i, 2, 70, 2, 32, torch.float32), emulated_gpu)
+        _chunk_ops()["simple_gla"], lambda i: _gdn_inputs(seed + i, 2, 70, 2, 32, torch.float32), emulated_gpu)
     assert len(replays) == 4
 
 
 def test_a_new_signature_runs_the_step(emulated_gpu, seed):
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    def op(q, k, v, g, beta, h0):
-        return chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
-
     shapes = [(1, 70, 2, 32), (1, 70, 2, 32), (1, 90, 2, 32), (1, 70, 2, 32)]
-    _check_replays_match(op, lambda i: _gdn_inputs(seed + i, *shapes[i], torch.float32),
+    _check_replays_match(_chunk_ops()["simple_gla"], lambda i: _gdn_inputs(seed + i, *shapes[i], torch.float32),
                          emulated_gpu)
     # T = 90 is seen once (run, not recorded); the last call replays T = 70's plans.
     assert len(emulated_gpu) == 2
@@ -206,39 +215,6 @@ def test_pytorch_calls_replay_and_host_reads_do_not_plan(emulated_gpu):
     assert len(emulated_gpu) == 2
     assert list(reading._plans._plans.values()) == [None]
     assert list(outside._plans._plans.values()) == [None]
-
-
-@pytest.fixture
-def replay_count(monkeypatch):
-    """The plans replayed during a test (a list, one entry a replay)."""
-    replays = []
-    original = step_plans._Plan.__call__
-
-    def counted(self, args):
-        replays.append(self)
-        return original(self, args)
-
-    monkeypatch.setattr(step_plans._Plan, "__call__", counted)
-    return replays
-
-
-def _chunk_ops():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.gla import chunk_gla
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    def gdn(q, k, v, g, beta, h0):
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                      output_final_state=True)
-
-    def sgla(q, k, v, g, beta, h0):
-        return chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
-
-    def gla(q, k, v, g, beta, h0):
-        gk = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()
-        return chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
-
-    return {"gated_delta_rule": gdn, "simple_gla": sgla, "gla": gla}
 
 
 @pytest.mark.gpu
