@@ -129,7 +129,8 @@ class StageOp:
                 return _as_outputs(step(*args), args)
 
         def real(*args):
-            return _as_outputs(self._step(*args), args)
+            # Inside a compiled graph the step runs in full (plans are for eager calls).
+            return _as_outputs(self._unplanned(*args), args)
 
         self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(),
                                           schema=schema)

@@ -23,19 +23,24 @@ tensors, the same launches with the new tensors in their slots, the outputs asse
 No check, dict, config choice or grid is recomputed.
 
 A recording is dropped (after a second attempt the signature keeps running the step,
-never recorded again) when the step does anything a replay could not repeat: reads a tensor's value on the
-host (``.item()``, ``.tolist()``, a tensor as a bool), uses a tensor it was not given and
-did not make (a module-level cache), or launches a kernel through Triton's own path (a
-first compile, the interpreter, a launch hook such as a profiler's). A replay falls back
-to the step whenever the launch path's state differs from the recording's: direct
-launches off, a launch hook set, Triton's runtime switches changed, another current
-device, or configs re-chosen since (:func:`invalidate`). ``FLA_STEP_PLANS=0`` turns
-plans off; :func:`step_plans` turns them off inside a block.
+never recorded again) when the step does anything a replay could not repeat: reads a
+tensor's value on the host (``.item()``, ``.tolist()``, a tensor as a bool), uses a
+tensor it was not given and did not make (a module-level cache), or launches a kernel
+through Triton's own path (a first compile, the interpreter, a kernel outside the tuning
+layer, a launch hook such as a profiler's). A step called inside another step's
+recording runs as is (its launches must reach that recorder). A replay falls back to
+the step whenever the launch path's state differs from the recording's: direct launches
+off, a launch hook set, Triton's runtime switches changed, another current device, a
+forced backend; re-chosen configs (:func:`invalidate`) drop every plan.
+``FLA_STEP_PLANS=0`` turns plans off; :func:`step_plans` turns them off inside a block.
 
-What the signature holds: each tensor's shape, strides, dtype, device and whether its
-address is a multiple of 16 bytes (Triton specializes on it); every other argument's
-type and value (lists, such as packed-sequence offsets, by value). Not the tensors' values
-nor their addresses: a replay's launches read whatever the new tensors hold.
+What the signature holds: the grad mode; each tensor's shape, strides, dtype, device and
+whether its address is a multiple of 16 bytes (Triton specializes on it); every other
+argument's type and value (lists, such as packed-sequence offsets, by value). Not the
+tensors' values nor their addresses: a replay's launches read whatever the new tensors
+hold. What a step decides from anything else (a module constant, an environment
+variable other than ``FLA_BACKEND``) must not change while plans are in use; the test
+suite drops every plan before each test for that reason.
 """
 from __future__ import annotations
 
@@ -185,11 +190,9 @@ class _Recorder(TorchFunctionMode):
                                                torch.layout, torch.memory_format, slice,
                                                type(Ellipsis))):
             return value
-        if isinstance(value, (tuple, list)):
+        if isinstance(value, (tuple, list)):  # torch.Size too (a tuple to its callees)
             items = [self._template(v) for v in value]
             return tuple(items) if isinstance(value, tuple) else items
-        if isinstance(value, torch.Size):
-            return value
         raise _Unplannable(f"an argument of type {type(value).__name__}")
 
     def _add(self, t: _Tensor) -> None:
