@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Iterator
 
 
 @contextlib.contextmanager
-def switched(cell: list, value) -> None:
+def switched(cell: list, value: Any) -> Iterator[None]:
     """Set ``cell[0]`` (a module's one-item switch list) to ``value`` inside the block,
     and back to what it was after it."""
     previous = cell[0]
