@@ -44,7 +44,7 @@ import torch
 
 from fla.utils.step_plans import _state as _plans_state
 from fla.utils.step_plans import invalidate as _invalidate_plans
-from fla.utils.step_plans import note_launch, note_untracked_launch
+from fla.utils.step_plans import note_launch
 from fla.utils.switches import switched
 from fla.utils.triton_facts import launch_hook_holder, runtime_switches_reader
 
@@ -306,7 +306,6 @@ class DirectLauncher:
             if entry is not None:
                 return self.run(entry, grid, args, key[1])
         self.stats["through_triton"] += 1
-        note_untracked_launch()
         compiled = jit_fn[grid](**args, **options)
         if key is not None and compiled is not None:
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode

@@ -55,7 +55,6 @@ import torch
 from fla.utils.compile_ahead import recording
 from fla.utils.direct_launch import (DirectLauncher, bound_launches_enabled,
                                      direct_launch_enabled)
-from fla.utils.step_plans import note_untracked_launch
 from fla.utils.triton_facts import (
     TRITON_VERSION_STRING,
     device_name,
@@ -388,7 +387,6 @@ class TunedKernel:
             return self._direct.launch(self.kernel, config, self._grid(grid, args), args,
                                        config._options)
         launch_args = {**named, **config._launch}
-        note_untracked_launch()  # no direct launcher: a step plan could not repeat it
         return self.kernel[self._grid(grid, launch_args)](**launch_args)
 
     def _compile(self, config: Config, grid, named: Mapping[str, Any]) -> None:

@@ -40,8 +40,7 @@ def _interpreted_launch(self, jit_fn, config, grid, args, options):
     if entry is not None:
         return self.run(entry, grid, args, key[1])
     self.stats["through_triton"] += 1
-    step_plans.note_untracked_launch()
-    jit_fn[grid](**args)
+    jit_fn[grid](**args)  # through Triton's path: a recording running now is dropped
     names = self.names
 
     def run(gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *values):
