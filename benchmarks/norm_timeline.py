@@ -7,7 +7,8 @@ forward kernel and waits until the host has launched the backward's. This times 
 the way ``run_side`` does (a 256 MB cache flush before each step, do_bench's median) and
 stamps, with ``time.perf_counter_ns``, the moments the host reaches: the forward and
 backward ops' entries and exits, each kernel launch's start and end (dγ's partial-sum
-reduction as ``dw sum``), the forward's and
+reduction as ``dw sum``) or, once a step plan replays them, each allocation and launch of
+the plans (``forward plan 2 launch``), the forward's and
 the backward's return (medians over ``--steps`` steps, µs from the step's start, with
 the 10th and 90th percentiles). Variants: ours, ours with autograd's multithreading off
 (the backward on the calling thread: a user's setting, shown for the hand-off's cost)
@@ -35,6 +36,7 @@ class _Stamps:
 
     def __init__(self) -> None:
         self.at: dict[str, int] = {}
+        self.ops: tuple = ()  # (label, StageOp) of the norm ops, set by _stamping
 
     def around(self, name: str, fn):
         def stamped(*args, **kwargs):
@@ -72,6 +74,7 @@ def _stamping(stamps: _Stamps):
              (lk, "norm_fwd_kernel"): lk.norm_fwd_kernel,
              (lk, "norm_bwd_kernel"): lk.norm_bwd_kernel,
              (lk, "sum_partial_pair"): lk.sum_partial_pair}
+    stamps.ops = (("forward plan", ln._norm_fwd_op), ("backward plan", ln._norm_bwd_op))
     ln._norm_fwd_op = stamps.around("forward op", ln._norm_fwd_op)
     ln._norm_bwd_op = stamps.around("backward op", ln._norm_bwd_op)
     # The backward's second launch (dγ's partial sums) and what follows it: on the hosts
@@ -87,6 +90,26 @@ def _stamping(stamps: _Stamps):
             setattr(module, name, value)
 
 
+def _stamp_plan_steps(stamps: _Stamps) -> None:
+    """Stamp every step of the norm ops' recorded plans (fla/utils/step_plans.py): a
+    replay launches the compiled kernels itself, past the stamped kernel objects above.
+    Each allocation, PyTorch call and launch of a plan gets its own pair of stamps
+    ("forward plan 0 empty_like", ...)."""
+    for label, op in stamps.ops:
+        for plan in op._plans._plans.values():
+            if plan is None or getattr(plan, "_stamped", False):
+                continue
+            steps = []
+            for i, (step, drops) in enumerate(plan._steps):
+                what = next((c.cell_contents.__name__ for c in step.__closure__ or ()
+                             if callable(c.cell_contents)
+                             and getattr(c.cell_contents, "__name__", "") not in
+                             ("", "_launch_compiled")), step.__name__)
+                steps.append((stamps.around(f"{label} {i} {what}", step), drops))
+            plan._steps = steps
+            plan._stamped = True
+
+
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     return (statistics.median(ordered), ordered[len(ordered) // 10],
@@ -99,11 +122,15 @@ def timeline(step_fn, leaves, steps: int, device: str, warmup: int = 20,
     of ``step_fn() -> (output, grad_output)`` followed by its backward, each step after
     a ``flush_mb`` write (do_bench's cache flush: the GPU is busy with it while the
     host starts the step)."""
+    from fla.utils import step_plans
     stamps = _Stamps()
     flush = torch.empty(flush_mb * 256 * 1024, dtype=torch.int32, device=device)
     rows: list[dict[str, float]] = []
+    step_plans.invalidate()  # plans recorded below, then their steps stamped
     with _stamping(stamps):
         for i in range(steps + warmup):
+            if i == warmup:
+                _stamp_plan_steps(stamps)
             for x in leaves:
                 x.grad = None
             flush.zero_()
@@ -117,6 +144,7 @@ def timeline(step_fn, leaves, steps: int, device: str, warmup: int = 20,
                 row = {"forward returned": forward_done, "backward returned": backward_done,
                        **stamps.at}
                 rows.append({k: (v - start) / 1e3 for k, v in row.items()})
+    step_plans.invalidate()  # no stamped plan outlives the timeline
     median_us = None
     if device == "cuda":
         import triton.testing
