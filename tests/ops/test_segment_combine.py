@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fla.ops.common.chunk_fwd_inter import combine_segment_states, one_tile_walk
+from fla.ops.common.chunk_state_combine import combine_segment_states, one_tile_walk
 from tests.helpers import assert_rel_close, generator
 
 F64 = torch.float64
@@ -75,7 +75,7 @@ def test_combine_matches_the_float64_walk(device, seed, form, K, initial):
 def test_every_combine_config_gpu(form, K, device, seed, monkeypatch):
     """Each config of the combine's tuning space builds on this GPU and gives the float64
     walk (fp32 states: tf32x3 dots)."""
-    from fla.ops.common.chunk_fwd_inter import chunk_state_combine_kernel
+    from fla.ops.common.chunk_state_combine import chunk_state_combine_kernel
     from tests.ops.config_sweep import force_config
     gen = generator(seed)
     H, V, seg_counts = 4, K, [5, 3]

@@ -584,14 +584,15 @@ def test_split_pieces_without_the_delta_follow_the_measured_best():
     delta = inter._default(dict(args, DELTA=True))
     assert (delta.meta["BV"], delta.num_stages) == (32, 2)
     args = dict(K=128, V=128, h0=None, FORM="scalar")
-    config = inter._combine_default(args)
-    _follows_the_best("combine", SPLIT_MS["combine"], config, inter._combine_space(args),
+    from fla.ops.common import chunk_state_combine as combine
+    config = combine._combine_default(args)
+    _follows_the_best("combine", SPLIT_MS["combine"], config, combine._combine_space(args),
                       (config.meta["BV"], config.num_warps, config.num_stages))
     # The delta form: its walk in registers up to K = 128 (the delta rule at
     # 1x65536x8x128: 71 µs against the tiled walk's 125 at its best), tiled above.
-    delta = inter._combine_default(dict(args, FORM="delta"))
+    delta = combine._combine_default(dict(args, FORM="delta"))
     assert (delta.meta["BV"], delta.num_warps, delta.num_stages) == (32, 8, 3)
-    assert inter._combine_default(dict(args, FORM="delta", K=256)).num_warps == 4
+    assert combine._combine_default(dict(args, FORM="delta", K=256)).num_warps == 4
 
 
 # The fused recurrent forwards on few sequences x heads (prefill of a small batch; H100,

@@ -29,7 +29,7 @@ Few long sequences leave most of the GPU idle walking them whole. The step above
 affine in dS, dS_in = M dS_out + X (M = e^{γ_L} I − Wᵀ (K ⊙ e^{γ_L − γ}), X the dO and
 dv_local terms), so the pass can cut them into segments (``segment_chunks``): each
 segment's composed map in parallel, a serial combine of the maps per sequence from dht
-(:func:`fla.ops.common.chunk_fwd_inter.combine_segment_states`, giving dh0 too), then
+(:func:`fla.ops.common.chunk_state_combine.combine_segment_states`, giving dh0 too), then
 every segment walked from the gradient leaving it, in parallel.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common.chunk_fwd_inter import (combine_segment_states, segment_of_program,
-                                            state_columns)
+from fla.ops.common.chunk_fwd_inter import segment_of_program, state_columns
+from fla.ops.common.chunk_state_combine import combine_segment_states
 from fla.ops.common.chunk_segments import segment_tables
 from fla.ops.utils.index import first_chunk_row, prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
@@ -183,7 +183,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     augmented ``[M | X]`` (K x (K + V), from ``[I | 0]``; dO and dv_local reach only the X
     columns) with W, into ``seg_state [P, H, K, K + V]``; without W, M is e^{Σ γ_L} I:
     X into ``seg_state [P, H, K, V]`` and Σ γ_L into ``seg_decay [P, H]``. (No vector
-    gate.) :func:`fla.ops.common.chunk_fwd_inter.combine_segment_states` then turns the
+    gate.) :func:`fla.ops.common.chunk_state_combine.combine_segment_states` then turns the
     transitions into each segment's leaving gradient and dh0.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)

@@ -23,8 +23,9 @@ each walking 256 chunks), so it may run split into segments of chunks (``SPLIT``
 the gated delta rule's does (``fla.ops.common.chunk_fwd_inter``): over a segment the
 update is S_out = diag(e^d) S_in + X with d = Σ γ_C over its chunks (a K-vector). The
 transitions (X, d) of all segments in parallel (``TRANSITION``), a short serial combine
-per sequence (``chunk_state_combine_kernel``, form "vector") giving each segment its
-entering state, then o (or h) of all segments in parallel: the same kernel body each time.
+per sequence (``fla.ops.common.chunk_state_combine``, form "vector") giving each segment
+its entering state, then o (or h) of all segments in parallel: the same kernel body each
+time.
 
 Numerics: γ reaches −5 · 64 = −320 inside a chunk (exp(320) overflows even fp32), so A
 is built as tensor-core dots over factor-scaled q and k, with the identity (s_k any
@@ -67,8 +68,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.common import chunk_fwd_inter, chunk_segments
+from fla.ops.common import chunk_segments
 from fla.ops.common.chunk_fwd_inter import segment_of_program
+from fla.ops.common.chunk_state_combine import combine_segment_states
 from fla.ops.utils.index import first_chunk_row, locate_chunk
 from fla.ops.utils.tiles import sixteen_bit, state_row_heights, tile_width
 from fla.utils import triton_facts
@@ -949,7 +951,7 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
         h0=None, ht=x, segments=segments, seg_decay=seg_decay, SPLIT=True, TRANSITION=True,
         STORE_H=False, STORE_O=False, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
         FEW_PROGRAMS=0, **dict(common, A=None, h=None, o=None))
-    seg_h0 = chunk_fwd_inter.combine_segment_states(x, seg_decay, "vector", seg_offsets, V,
+    seg_h0 = combine_segment_states(x, seg_decay, "vector", seg_offsets, V,
                                                     initial_state, ht)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, segments=segments, SPLIT=True, TRANSITION=False, STORE_H=store_h,
