@@ -37,6 +37,7 @@ class _Stamps:
     def __init__(self) -> None:
         self.at: dict[str, int] = {}
         self.ops: tuple = ()  # (label, StageOp) of the norm ops, set by _stamping
+        self.stamped_plans: set[int] = set()  # ids of the plans whose steps are stamped
 
     def around(self, name: str, fn):
         def stamped(*args, **kwargs):
@@ -94,10 +95,15 @@ def _stamp_plan_steps(stamps: _Stamps) -> None:
     """Stamp every step of the norm ops' recorded plans (fla/utils/step_plans.py): a
     replay launches the compiled kernels itself, past the stamped kernel objects above.
     Each allocation, PyTorch call and launch of a plan gets its own pair of stamps
-    ("forward plan 0 empty_like", ...)."""
+    ("forward plan 0 empty_like", ...). Plans of an older generation (another variant's,
+    not yet cleared) are left alone."""
+    from fla.utils import step_plans
     for label, op in stamps.ops:
-        for plan in op._plans._plans.values():
-            if plan is None or getattr(plan, "_stamped", False):
+        plans = op._plans
+        if plans._generation != step_plans._generation[0]:
+            continue
+        for plan in plans._plans.values():
+            if plan is None or id(plan) in stamps.stamped_plans:
                 continue
             steps = []
             for i, (step, drops) in enumerate(plan._steps):
@@ -107,7 +113,16 @@ def _stamp_plan_steps(stamps: _Stamps) -> None:
                              ("", "_launch_compiled")), step.__name__)
                 steps.append((stamps.around(f"{label} {i} {what}", step), drops))
             plan._steps = steps
-            plan._stamped = True
+            stamps.stamped_plans.add(id(plan))
+
+
+@contextlib.contextmanager
+def _plans_dropped_after(step_plans):
+    """No stamped plan outlives the block (the do_bench below times plain ones)."""
+    try:
+        yield
+    finally:
+        step_plans.invalidate()
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -127,7 +142,7 @@ def timeline(step_fn, leaves, steps: int, device: str, warmup: int = 20,
     flush = torch.empty(flush_mb * 256 * 1024, dtype=torch.int32, device=device)
     rows: list[dict[str, float]] = []
     step_plans.invalidate()  # plans recorded below, then their steps stamped
-    with _stamping(stamps):
+    with _stamping(stamps), _plans_dropped_after(step_plans):
         for i in range(steps + warmup):
             if i == warmup:
                 _stamp_plan_steps(stamps)
@@ -144,7 +159,6 @@ def timeline(step_fn, leaves, steps: int, device: str, warmup: int = 20,
                 row = {"forward returned": forward_done, "backward returned": backward_done,
                        **stamps.at}
                 rows.append({k: (v - start) / 1e3 for k, v in row.items()})
-    step_plans.invalidate()  # no stamped plan outlives the timeline
     median_us = None
     if device == "cuda":
         import triton.testing

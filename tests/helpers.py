@@ -184,8 +184,8 @@ def counted_segment_combines(monkeypatch) -> list[bool]:
     """Force the chunk passes to split sequences into one-chunk segments and count the
     segment combines that launch (True each; compile ahead's recording of a first call
     on a GPU launches nothing and appends False): the forward pass's and, where it split,
-    the reverse pass's."""
-    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_segments
+    the reverse pass's (the vector gate's forward too)."""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_gk_fwd, chunk_segments
     from fla.utils.compile_ahead import recording
 
     combines: list[bool] = []
@@ -198,6 +198,7 @@ def counted_segment_combines(monkeypatch) -> list[bool]:
     monkeypatch.setattr(chunk_segments, "segment_chunks_for", lambda *args: 1)
     monkeypatch.setattr(chunk_fwd_inter, "combine_segment_states", counted)
     monkeypatch.setattr(chunk_delta_h_bwd, "combine_segment_states", counted)
+    monkeypatch.setattr(chunk_gk_fwd, "combine_segment_states", counted)
     return combines
 
 

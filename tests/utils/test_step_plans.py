@@ -298,3 +298,23 @@ def test_a_step_inside_a_recorded_step_runs_as_is(emulated_gpu):
     # The inner step replays once more inside the outer one's first (unrecorded) call;
     # then the outer step replays twice.
     assert len(emulated_gpu) == 4
+
+
+def test_norm_timeline_stamps_each_step_of_the_plans(emulated_gpu):
+    """benchmarks.norm_timeline stamps the allocations and launches of the norm ops' plans
+    (a replay bypasses the stamped kernel objects), and leaves no stamped plan behind."""
+    from benchmarks.norm_timeline import timeline
+    from fla.modules import RMSNorm
+
+    norm = RMSNorm(64)
+    x = torch.randn(8, 64, requires_grad=True)
+    dy = torch.randn(8, 64)
+    _, stamps = timeline(lambda: (norm(x), dy), [x, norm.weight], steps=2, device="cpu",
+                         warmup=3, flush_mb=1)
+    names = list(stamps)
+    assert any(n.startswith("forward plan") and n.endswith("launch >") for n in names), names
+    assert any(n.startswith("backward plan") and n.endswith("launch >") for n in names), names
+    from fla.modules import layernorm
+    # Dropped after the timeline: the op's plans are of an older generation now, cleared
+    # at its next call.
+    assert layernorm._norm_fwd_op._plans._generation != step_plans._generation[0]

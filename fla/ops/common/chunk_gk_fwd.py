@@ -951,8 +951,8 @@ def chunk_gk_fwd_h(q, k, v, g_cum, A=None, scale: float = 1.0, initial_state=Non
         h0=None, ht=x, segments=segments, seg_decay=seg_decay, SPLIT=True, TRANSITION=True,
         STORE_H=False, STORE_O=False, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
         FEW_PROGRAMS=0, **dict(common, A=None, h=None, o=None))
-    seg_h0 = combine_segment_states(x, seg_decay, "vector", seg_offsets, V,
-                                                    initial_state, ht)
+    seg_h0 = combine_segment_states(x, seg_decay, "vector", seg_offsets, V, initial_state,
+                                    ht)
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         h0=seg_h0, ht=None, segments=segments, SPLIT=True, TRANSITION=False, STORE_H=store_h,
         STORE_O=store_o, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, FEW_PROGRAMS=0, **common)

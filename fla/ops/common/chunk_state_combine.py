@@ -58,8 +58,9 @@ def _combine_default(args) -> Config:
 def _combine_space(args) -> list[Config]:
     if one_tile_walk(args["FORM"], args["K"]):
         # 8 warps: at 4 the K = 128 walk spills 650-1230 B a thread (offline sm_90). A
-        # stage holds a K x K M and a K x BV X in fp32: three stages of 64 columns pass
-        # the 227 KB a program may have at K = 128.
+        # pipeline buffer holds a K x K M and a K x BV X in fp32 (160 KB at 32 columns
+        # and three stages, 128 at 64 and two); 64 columns at three stages builds (192
+        # KB, 255 registers) but was never timed nor run on a GPU, so it stays out.
         widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
         return [Config(BV=bv, num_warps=8, num_stages=s)
                 for bv in widths for s in (2, 3) if bv < 64 or s < 3]
@@ -161,10 +162,11 @@ def chunk_state_combine_kernel(
     """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
     its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
     last segment is the sequence's final state ``ht[n]``. All states fp32 ``K x V``.
-    ``FORM`` is the transitions' (see :func:`transition_width`): ``"delta"``, where
-    ``mx [P, H, K, K + V]`` holds ``[M | X]``; ``"scalar"`` (simple GLA), where
-    ``mx [P, H, K, V]`` holds X and ``seg_decay [P, H]`` log M (M = e^d I); ``"vector"``
-    (GLA, RWKV6), X and ``seg_decay [P, H, K]`` the log of M's diagonal. The delta form
+    ``FORM`` is the transitions' (see
+    :func:`fla.ops.common.chunk_segments.transition_width`): ``"delta"``, where ``mx [P,
+    H, K, K + V]`` holds ``[M | X]``; ``"scalar"`` (simple GLA), where ``mx [P, H, K,
+    V]`` holds X and ``seg_decay [P, H]`` log M (M = e^d I); ``"vector"`` (GLA, RWKV6),
+    X and ``seg_decay [P, H, K]`` the log of M's diagonal. The delta form
     with K ≤ BK walks with S in registers (:func:`_affine_walk`); otherwise each step
     stores S and reads it back by row tiles of BK."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -218,8 +220,8 @@ def combine_segment_states(mx: torch.Tensor, seg_decay: torch.Tensor | None, for
     float32, from the transitions ``mx [P, H, K, W]`` (and ``seg_decay``, ``[P, H]`` for
     ``form == "scalar"``, ``[P, H, K]`` for ``"vector"``, None for ``"delta"``), the
     sequences' ``initial_state [N, H, K, V]`` (None: zeros), with ``seg_offsets [N + 1]``
-    from :func:`segment_tables`. Writes each sequence's state after its last segment to
-    ``final_state [N, H, K, V]`` float32 when given."""
+    from :func:`fla.ops.common.chunk_segments.segment_tables`. Writes each sequence's
+    state after its last segment to ``final_state [N, H, K, V]`` float32 when given."""
     P, H, K = mx.shape[:3]
     N = seg_offsets.numel() - 1
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=mx.device)
