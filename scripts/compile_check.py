@@ -314,6 +314,10 @@ def main(argv=None) -> int:
                 with torch.no_grad():  # simple GLA's inference forward takes other kernels
                     call(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()
+            if family == "gated_delta_rule":
+                # No final-state gradient: the split reverse pass's X-only transitions.
+                o, _ = call(q, k, v, g, beta, initial_state=h0)
+                o.float().sum().backward()
             if op in (chunk_gla, chunk_rwkv6):
                 plain_gla_backward(q, k, v, gk, u if family == "rwkv6" else None, h0[:B])
     if compiler.jobs:

@@ -42,19 +42,54 @@ def test_chunk_varlen_uneven_sequences(dtype, device, seed):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "batch"])
-def test_chunk_with_sequences_split_into_segments(varlen, device, seed, monkeypatch):
+@pytest.mark.parametrize("use_dht", [True, False], ids=["dht", "no_dht"])
+def test_chunk_with_sequences_split_into_segments(varlen, use_dht, device, seed,
+                                                  monkeypatch):
     """The forward's state pass split into segments (what few long sequences get on a
     large GPU), forced at every chunk here: same outputs, states and gradients. The
     backward restarts every segment from the forward's segment states (the forward's
     transitions are not redone) and splits its reverse pass the same way: two combines,
     the forward's and the reverse pass's (not counting compile ahead's recording of a
-    first call on a GPU, which launches nothing)."""
+    first call on a GPU, which launches nothing). Without a final-state gradient the
+    reverse pass takes its maps from the forward's (transposed) and runs its transitions
+    on the X columns alone; with one it runs them whole (the forward has no map of a
+    sequence's last segment)."""
+    from fla.ops.common import chunk_delta_h_bwd
     combines = counted_segment_combines(monkeypatch)
+    reused = []
+    reverse_maps = chunk_delta_h_bwd._reverse_maps
+    monkeypatch.setattr(chunk_delta_h_bwd, "_reverse_maps",
+                        lambda *args: reused.append(1) or reverse_maps(*args))
     gen = generator(seed)
     B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
     inputs = make_inputs(gen, B=B, T=T, H=1, HV=2, K=16, V=32, N=N)
-    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu)
+    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu,
+            use_dht=use_dht)
     assert sum(combines) == 2, combines
+    assert bool(reused) != use_dht, reused
+
+
+@pytest.mark.interpret
+def test_reverse_transitions_take_the_forward_maps(device, seed, monkeypatch):
+    """At K = 64 the reverse pass's X-only transitions skip M's column tiles (BV <= K), so
+    M comes from the forward's maps alone (transposed, the sequences' last segments'
+    zeroed): the gradients still equal the float64 loop's."""
+    from fla.ops.common import chunk_delta_h_bwd
+    combines = counted_segment_combines(monkeypatch)
+    launched = []
+    kernel = chunk_delta_h_bwd.chunk_gated_delta_rule_bwd_dhu_kernel
+    launch = kernel.launch
+    monkeypatch.setattr(kernel, "launch", lambda grid, args, kwargs: launched.append(
+        kwargs.get("X_ONLY", False)) or launch(grid, args, kwargs))
+    gen = generator(seed)
+    B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=70, high=200), True, device)
+    # No decay: over a chunk the gate would shrink M to ~e^-16, too small for a wrong M to
+    # show in the gradients.
+    inputs = make_inputs(gen, B=B, T=T, H=1, HV=1, K=64, V=64, N=N, gate=False)
+    compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu,
+            use_dht=False)
+    assert sum(combines) == 2, combines
+    assert True in launched, launched
 
 
 @pytest.mark.interpret

@@ -40,10 +40,10 @@ import triton.language as tl
 
 from fla.ops.common.chunk_fwd_inter import segment_of_program, state_columns
 from fla.ops.common.chunk_state_combine import combine_segment_states
-from fla.ops.common.chunk_segments import segment_tables
+from fla.ops.common.chunk_segments import reversed_segment_order, segment_tables
 from fla.ops.utils.index import first_chunk_row, prepare_chunk_offsets, varlen_chunk_indices
-from fla.ops.utils.tiles import (check_kernel_device, sixteen_bit, state_row_heights,
-                                 tile_width)
+from fla.ops.utils.tiles import (check_buffer, check_kernel_device, sixteen_bit,
+                                 state_row_heights, tile_width)
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -155,7 +155,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt, GATED: tl.constexpr):
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
              "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "GATED_OPERANDS",
-             "FEW_PROGRAMS", "SPLIT", "TRANSITION"],
+             "FEW_PROGRAMS", "SPLIT", "TRANSITION", "X_ONLY"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -168,7 +168,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     gq=None, USE_GK: tl.constexpr = False, GQ_EXCLUSIVE: tl.constexpr = False,
     GATED_OPERANDS: tl.constexpr = False, FEW_PROGRAMS: tl.constexpr = 0,
     segments=None, seg_state=None, seg_decay=None, SPLIT: tl.constexpr = False,
-    TRANSITION: tl.constexpr = False,
+    TRANSITION: tl.constexpr = False, X_ONLY: tl.constexpr = False,
 ):
     """One program per (column tile, sequence·head) walks its sequence's chunks backwards.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
@@ -183,8 +183,10 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     augmented ``[M | X]`` (K x (K + V), from ``[I | 0]``; dO and dv_local reach only the X
     columns) with W, into ``seg_state [P, H, K, K + V]``; without W, M is e^{Σ γ_L} I:
     X into ``seg_state [P, H, K, V]`` and Σ γ_L into ``seg_decay [P, H]``. (No vector
-    gate.) :func:`fla.ops.common.chunk_state_combine.combine_segment_states` then turns the
-    transitions into each segment's leaving gradient and dh0.
+    gate.) With W and ``X_ONLY`` the programs skip the column tiles that lie wholly in M
+    (grid axis 0 starts at tile K // BV of ``[M | X]``): M is written by the caller, from
+    the forward's maps. :func:`fla.ops.common.chunk_state_combine.combine_segment_states`
+    then turns the transitions into each segment's leaving gradient and dh0.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_p, i_h = i_nh // H, i_nh % H
@@ -195,7 +197,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
 
     AUGMENTED: tl.constexpr = TRANSITION and USE_W
     WC: tl.constexpr = K + V if AUGMENTED else V      # the state's columns
-    o_w, m_w, o_v, m_v = state_columns(i_v, BV, K, V, AUGMENTED)
+    # X_ONLY: the first K // BV column tiles (M's alone) are not run.
+    o_w, m_w, o_v, m_v = state_columns(i_v + X_ONLY * (K // BV), BV, K, V, AUGMENTED)
     o_k1 = tl.arange(0, BK)
     o_k2 = BK + o_k1
     o_k3 = 2 * BK + o_k1
@@ -472,6 +475,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     gated_operands: bool = False,
     segment_chunks: int = 0,
     offsets: list[int] | None = None,
+    segment_maps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -506,6 +510,12 @@ def chunk_gated_delta_rule_bwd_dhu(
             in parallel; for few long sequences, whose whole walks leave the GPU idle. No
             vector gate.
         offsets: the host copy of ``cu_seqlens`` (needed with it for ``segment_chunks``).
+        segment_maps: with W, ``segment_chunks`` and no ``dht``, the forward pass's
+            transitions ``[P, H, K, K + V]`` float32 over the same segments
+            (:func:`fla.ops.common.chunk_fwd_inter.chunk_gated_delta_rule_fwd_inter`'s
+            ``return_segment_maps``; each sequence's last row unset). A segment's reverse
+            map is the transpose of its forward map M, so the transitions then run on
+            the X columns alone (half the columns at K = V) and M is taken from these.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -572,8 +582,14 @@ def chunk_gated_delta_rule_bwd_dhu(
                                                        device=k.device)
     split = dict(segments=segments, SPLIT=True, FEW_PROGRAMS=0, USE_INITIAL_STATE=False,
                  USE_FINAL_STATE_GRADIENT=False, dht=None, dh0=None)
-    kernel[lambda meta: (cdiv(width, meta["BV"]), P * H)](
-        seg_state=mx, seg_decay=seg_decay, TRANSITION=True, **split, **common)
+    x_only = w is not None and dht is None and segment_maps is not None
+    if x_only:
+        check_buffer("segment_maps", segment_maps, (P, H, K, K + V), torch.float32, k.device)
+        _reverse_maps(segment_maps, offsets, segment_chunks, mx)
+    kernel[lambda meta: (cdiv(width, meta["BV"]) - (K // meta["BV"] if x_only else 0),
+                         P * H)](
+        seg_state=mx, seg_decay=seg_decay, TRANSITION=True, X_ONLY=x_only, **split,
+        **common)
     # Segments listed last to first: the combine's "entering" state of each is the
     # gradient leaving it, and its final state the gradient of the initial state.
     leaving = combine_segment_states(mx, seg_decay, "delta" if w is not None else "scalar",
@@ -581,3 +597,18 @@ def chunk_gated_delta_rule_bwd_dhu(
     kernel[lambda meta: (cdiv(V, meta["BV"]), P * H)](
         seg_state=leaving, TRANSITION=False, **split, **common)
     return dh, dh0, dv2
+
+
+def _reverse_maps(segment_maps: torch.Tensor, offsets: list[int], segment_chunks: int,
+                  mx: torch.Tensor) -> None:
+    """M of the reverse pass's transitions ``mx [P, H, K, K + V]`` (segments listed last
+    to first per sequence) from the forward's ``segment_maps`` (first to last): over a
+    segment the forward maps S_out = M S_in + X chunk by chunk with A_c = e^{γ_L} I −
+    (K ⊙ e^{γ_L − γ})ᵀ W, and the reverse pass dS_in = A_cᵀ dS_out + X'_c, so the
+    segment's reverse map is (A_L ⋯ A_1)ᵀ = Mᵀ. The rows of each sequence's last segment
+    (the forward computes no map for it) are zero: the reverse walk starts there from a
+    zero gradient (no ``dht``), so its map only ever multiplies zero."""
+    K = mx.shape[2]
+    order, last_rows = reversed_segment_order(offsets, segment_chunks, mx.device)
+    mx[..., :K] = segment_maps[..., :K].index_select(0, order).transpose(-1, -2)
+    mx[last_rows, :, :, :K] = 0.

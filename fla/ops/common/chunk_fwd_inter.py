@@ -562,6 +562,7 @@ def chunk_gated_delta_rule_fwd_inter(
     segment_states: torch.Tensor | None = None,
     return_segment_states: bool = False,
     lead_chunks: int | None = 0,
+    return_segment_maps: bool = False,
 ):
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
@@ -602,12 +603,21 @@ def chunk_gated_delta_rule_fwd_inter(
             ``fla.ops.common.chunk_segments``); None: the launch model's choice; 0: never.
             Not with ``states_out`` or ``segment_states``; its segment states are not
             returned (None: a backward walks the sequences whole).
+        return_segment_maps: with ``return_segment_states`` and the delta, also return
+            the split's transitions ``[P, H, K, K + V]`` float32 (``[M | X]`` of each
+            segment; each sequence's last row unset), None when the pass did not split:
+            the reverse pass's maps are their transposes
+            (:func:`fla.ops.common.chunk_delta_h_bwd.chunk_gated_delta_rule_bwd_dhu`'s
+            ``segment_maps``).
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype (None with
         ``states_out``); ``final_state [N, H, K, V]`` float32 or None. With
-        ``return_segment_states``, ``(o, final_state, segment_states)``.
+        ``return_segment_states``, ``(o, final_state, segment_states)``, and with
+        ``return_segment_maps`` too, ``(o, final_state, segment_states, segment_maps)``.
     """
+    if return_segment_maps and not return_segment_states:
+        raise ValueError("return_segment_maps: only with return_segment_states")
     if states_out is not None and (Ai is None) != (states_out[1] is None):
         raise ValueError("states_out: (h, v_new) with the delta (Ai given), (h, None) "
                          "without")
@@ -661,7 +671,8 @@ def chunk_gated_delta_rule_fwd_inter(
             _split_pass(kernel, common, states, *lead_split_tables(offsets, lead_chunks,
                                                                    k.device),
                         False, initial_state, final_state, keep_entries=False)
-            return (o, final_state, None) if return_segment_states else (o, final_state)
+            return _returned(o, final_state, None, None, return_segment_states,
+                             return_segment_maps)
     if not segment_chunks:
         # A hint for the delta rule's tile width and stages (see _default). Always 0
         # without the delta, where it would only compile identical variants.
@@ -671,7 +682,8 @@ def chunk_gated_delta_rule_fwd_inter(
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, SPLIT=False, TRANSITION=False,
             FEW_PROGRAMS=few, **common, **states)
-        return (o, final_state, None) if return_segment_states else (o, final_state)
+        return _returned(o, final_state, None, None, return_segment_states,
+                         return_segment_maps)
 
     transitions, outputs, seg_offsets = split_tables(offsets, segment_chunks, k.device)
     if segment_states is not None:
@@ -679,16 +691,26 @@ def chunk_gated_delta_rule_fwd_inter(
         # segments from the wrong state.
         check_buffer("segment_states", segment_states, (outputs.shape[0], H, K, V),
                      torch.float32, k.device)
-    seg_h0 = _split_pass(kernel, common, states, transitions, outputs, seg_offsets,
-                         Ai is not None, initial_state, final_state, segment_states,
-                         keep_entries=return_segment_states)
-    return (o, final_state, seg_h0) if return_segment_states else (o, final_state)
+    seg_h0, maps = _split_pass(kernel, common, states, transitions, outputs, seg_offsets,
+                               Ai is not None, initial_state, final_state, segment_states,
+                               keep_entries=return_segment_states)
+    return _returned(o, final_state, seg_h0, maps if Ai is not None else None,
+                     return_segment_states, return_segment_maps)
+
+
+def _returned(o, final_state, segment_states, maps, with_states: bool, with_maps: bool):
+    """The pass's return value for its ``return_segment_*`` flags."""
+    if not with_states:
+        return o, final_state
+    return (o, final_state, segment_states, maps) if with_maps else \
+        (o, final_state, segment_states)
 
 
 def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
                 outputs: torch.Tensor, seg_offsets: torch.Tensor, delta: bool,
                 initial_state, final_state, segment_states=None,
-                keep_entries: bool = True) -> torch.Tensor | None:
+                keep_entries: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The pass over segments (tables from :func:`split_tables` or
     :func:`lead_split_tables`): the transitions of every segment but each sequence's last,
     the combine (the state entering every segment), then every segment's output, the
@@ -701,12 +723,13 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
     longer; the op's forward at 2x16384x16x128 0.369 -> 0.367 ms, 1x8192x96x128 0.469 ->
     0.461, three alternating runs), and writes it out only with ``keep_entries``.
 
-    Returns the entering states ``[P, H, K, V]`` float32, or None (no delta and no
-    ``keep_entries``)."""
+    Returns ``(entering, maps)``: the entering states ``[P, H, K, V]`` float32, or None
+    (no delta and no ``keep_entries``); the transitions ``[P, H, K, W]`` float32 the
+    pass computed (None with ``segment_states``: none computed)."""
     H, K, V = common["H"], common["K"], common["V"]
     P = outputs.shape[0]
     entry = dict(h0=segment_states, seg_decay=None, USE_INITIAL_STATE=True)
-    seg_h0 = segment_states
+    seg_h0, mx = segment_states, None
     if seg_h0 is None:
         W = transition_width(K, V, delta)
         mx = torch.empty(P, H, K, W, dtype=torch.float32, device=outputs.device)
@@ -735,7 +758,7 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
     kernel[lambda meta: (cdiv(V, meta["BV"]), H, P)](
         ht=final_state, segments=outputs, STORE_FINAL_STATE=final_state is not None,
         SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **entry, **common, **states)
-    return seg_h0
+    return seg_h0, mx
 
 
 def split_states(segment_states: torch.Tensor | None) -> torch.Tensor | None:

@@ -57,11 +57,14 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, cu_seqlens=cu_seqlens,
                                                       chunk_indices=chunk_indices)
     # The segment states (where the pass split few long sequences) let the backward
-    # recompute its states without the transitions and their combine.
-    o, final_state, segment_states = chunk_gated_delta_rule_fwd_inter(
+    # recompute its states without the transitions and their combine; the segments' maps
+    # give the reverse pass's maps (their transposes), so that its transitions run on the
+    # X columns alone.
+    o, final_state, segment_states, segment_maps = chunk_gated_delta_rule_fwd_inter(
         q, k, v, g_cum, beta, Ai, Aqk, scale, initial_state, output_final_state,
-        cu_seqlens=cu_seqlens, offsets=offsets, return_segment_states=True)
-    return o, g_cum, Ai, final_state, Aqk, segment_states
+        cu_seqlens=cu_seqlens, offsets=offsets, return_segment_states=True,
+        return_segment_maps=True)
+    return o, g_cum, Ai, final_state, Aqk, segment_states, segment_maps
 
 
 def _forward_segment_chunks(k, v, offsets) -> int:
@@ -84,8 +87,8 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     return sequential_grid_fill(n, H, V) == 0 or _forward_segment_chunks(k, v, offsets) > 0
 
 
-def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, initial_state, cu_seqlens,
-              chunk_indices, offsets, do, dht, scale, g_dtype):
+def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initial_state,
+              cu_seqlens, chunk_indices, offsets, do, dht, scale, g_dtype):
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     if _states_from_the_forward_pass(k, v, offsets):
@@ -106,7 +109,7 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, initial_state, cu_se
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
         segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
-        offsets=offsets, **varlen)
+        offsets=offsets, segment_maps=segment_maps, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
@@ -129,11 +132,12 @@ _chunk_fwd = stage_op(
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor beta, float scale, "
            "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
            "Tensor? chunk_indices, int[]? offsets) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_gated_delta_rule_bwd", _backward, label="gated_delta_rule.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor beta, Tensor A, "
-           "Tensor Aqk, Tensor? segment_states, Tensor? initial_state, Tensor? cu_seqlens, "
+           "Tensor Aqk, Tensor? segment_states, Tensor? segment_maps, "
+           "Tensor? initial_state, Tensor? cu_seqlens, "
            "Tensor? chunk_indices, int[]? offsets, Tensor do, Tensor? dht, float scale, "
            "ScalarType? g_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
@@ -141,23 +145,23 @@ _chunk_bwd = stage_op(
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
         offsets = inputs
-    _, g_cum, A, _, Aqk, segment_states = output
+    _, g_cum, A, _, Aqk, segment_states, segment_maps = output
     ctx.save_for_backward(q, k, v, present(g_cum, g is not None), beta, A, Aqk,
-                          split_states(segment_states), initial_state, cu_seqlens,
-                          chunk_indices)
+                          split_states(segment_states), split_states(segment_maps),
+                          initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
     ctx.output_final_state = output_final_state
     ctx.offsets = offsets
 
 
-def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk, _dsegment_states):
+def _backward_formula(ctx, do, _dg_cum, _dA, dht, _dAqk, _dsegment_states, _dsegment_maps):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(*saved, ctx.offsets, do, dht, ctx.scale,
                                             ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None), dbeta, None,
-            present(dh0, saved[8] is not None), None, None, None, None)
+            present(dh0, saved[9] is not None), None, None, None, None)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -168,9 +172,9 @@ def _backward_args(args, outputs):
     compile-ahead prefetch during the first forward)."""
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, \
         offsets = args
-    o, g_cum, A, final_state, Aqk, segment_states = outputs
-    return (q, k, v, g_cum, beta, A, Aqk, split_states(segment_states), initial_state,
-            cu_seqlens, chunk_indices, offsets,
+    o, g_cum, A, final_state, Aqk, segment_states, segment_maps = outputs
+    return (q, k, v, g_cum, beta, A, Aqk, split_states(segment_states),
+            split_states(segment_maps), initial_state, cu_seqlens, chunk_indices, offsets,
             torch.empty_like(o), final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
 
@@ -181,7 +185,7 @@ compile_ahead.follow("gated_delta_rule.fwd", "gated_delta_rule.bwd", _backward, 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   chunk_indices, offsets):
     """The Triton path: ``(o, final_state)`` through the custom op."""
-    o, _, _, final_state, _, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
+    o, _, _, final_state, _, _, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
                                          output_final_state, cu_seqlens, chunk_indices,
                                          offsets)
     return o, present(final_state, output_final_state)
