@@ -315,7 +315,8 @@ def main(argv=None) -> int:
                     call(q, k, v, g, initial_state=h0, output_final_state=True)
             (o.float().sum() + ht.sum()).backward()
             if family == "gated_delta_rule":
-                # No final-state gradient: the split reverse pass's X-only transitions.
+                # No final-state gradient: with --split (or a shape that splits), the
+                # reverse pass's X-only transitions.
                 o, _ = call(q, k, v, g, beta, initial_state=h0)
                 o.float().sum().backward()
             if op in (chunk_gla, chunk_rwkv6):

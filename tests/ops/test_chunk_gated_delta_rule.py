@@ -53,7 +53,8 @@ def test_chunk_with_sequences_split_into_segments(varlen, use_dht, device, seed,
     first call on a GPU, which launches nothing). Without a final-state gradient the
     reverse pass takes its maps from the forward's (transposed) and runs its transitions
     on the X columns alone; with one it runs them whole (the forward has no map of a
-    sequence's last segment)."""
+    sequence's last segment). (At K = 16 the X-only launch still covers M's columns, its
+    one tile being wider than K: the forward's M itself is checked at K = 64, below.)"""
     from fla.ops.common import chunk_delta_h_bwd
     combines = counted_segment_combines(monkeypatch)
     reused = []
@@ -79,8 +80,13 @@ def test_reverse_transitions_take_the_forward_maps(device, seed, monkeypatch):
     launched = []
     kernel = chunk_delta_h_bwd.chunk_gated_delta_rule_bwd_dhu_kernel
     launch = kernel.launch
-    monkeypatch.setattr(kernel, "launch", lambda grid, args, kwargs: launched.append(
-        kwargs.get("X_ONLY", False)) or launch(grid, args, kwargs))
+
+    def recorded(grid, args, kwargs):
+        if kwargs.get("X_ONLY"):  # the column tile width of the X-only transitions
+            launched.append(kernel.default(kernel._bind(args, kwargs)).meta["BV"])
+        return launch(grid, args, kwargs)
+
+    monkeypatch.setattr(kernel, "launch", recorded)
     gen = generator(seed)
     B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=70, high=200), True, device)
     # No decay: over a chunk the gate would shrink M to ~e^-16, too small for a wrong M to
@@ -89,7 +95,8 @@ def test_reverse_transitions_take_the_forward_maps(device, seed, monkeypatch):
     compare(inputs, torch.float32, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu,
             use_dht=False)
     assert sum(combines) == 2, combines
-    assert True in launched, launched
+    # M's column tiles were skipped (BV <= K): M came from the forward's maps alone.
+    assert launched and all(64 // bv >= 1 for bv in launched), launched
 
 
 @pytest.mark.interpret
