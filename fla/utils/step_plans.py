@@ -396,12 +396,17 @@ def _compile(op: tuple) -> Callable[[list], None]:
     return call_many
 
 
+_direct_launch: list = [None]  # the direct launcher's module, once imported
+
+
 def _launch_state() -> tuple:
     """What a replay depends on beyond the signature: direct launches on and no hook set,
     Triton's runtime switches, the current device, the tuning generation, a forced
     backend (``FLA_BACKEND``)."""
-    from fla.utils import direct_launch as dl
-
+    dl = _direct_launch[0]
+    if dl is None:  # imported here: fla.utils.direct_launch imports this module
+        from fla.utils import direct_launch as dl
+        _direct_launch[0] = dl
     device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1
     return (dl._enabled[0] and not dl._hooks_installed(), dl._switches(), device,
             _generation[0], os.environ.get("FLA_BACKEND"))
