@@ -58,9 +58,12 @@ def test_chunk_with_sequences_split_into_segments(varlen, use_dht, device, seed,
     from fla.ops.common import chunk_delta_h_bwd
     combines = counted_segment_combines(monkeypatch)
     reused = []
-    reverse_maps = chunk_delta_h_bwd._reverse_maps
-    monkeypatch.setattr(chunk_delta_h_bwd, "_reverse_maps",
-                        lambda *args: reused.append(1) or reverse_maps(*args))
+    combine = chunk_delta_h_bwd.combine_segment_states
+    monkeypatch.setattr(
+        chunk_delta_h_bwd, "combine_segment_states",
+        lambda *args, forward_maps=None, **kwargs: (
+            reused.append(1) if forward_maps is not None else None,
+            combine(*args, forward_maps=forward_maps, **kwargs))[1])
     gen = generator(seed)
     B, T, N, cu = packed_or_batch(uneven_lengths(2, gen, low=30, high=200), varlen, device)
     inputs = make_inputs(gen, B=B, T=T, H=1, HV=2, K=16, V=32, N=N)
@@ -73,8 +76,8 @@ def test_chunk_with_sequences_split_into_segments(varlen, use_dht, device, seed,
 @pytest.mark.interpret
 def test_reverse_transitions_take_the_forward_maps(device, seed, monkeypatch):
     """At K = 64 the reverse pass's X-only transitions skip M's column tiles (BV <= K), so
-    M comes from the forward's maps alone (transposed, the sequences' last segments'
-    zeroed): the gradients still equal the float64 loop's."""
+    M comes from the forward's maps alone (the combine reads them transposed, skipping
+    the sequences' last segments): the gradients still equal the float64 loop's."""
     from fla.ops.common import chunk_delta_h_bwd
     combines = counted_segment_combines(monkeypatch)
     launched = []

@@ -72,6 +72,50 @@ def test_combine_matches_the_float64_walk(device, seed, form, K, initial, final)
         assert_rel_close("final states", ht.cpu(), ref_final, 1e-4)
 
 
+def _reverse_case(gen, H, K, V, seg_counts):
+    """The reverse pass's combine inputs: ``(mx, forward_maps, reverse_m, X)``. Each
+    sequence's segments are listed last to first in ``mx`` (its X only; M's columns NaN,
+    never read); the forward's maps first to last, each sequence's last one NaN (the
+    forward keeps no map of it). ``reverse_m`` is what the combine must use: row i the
+    transpose of the forward's row s0 + s1 - 1 - i, and zero at each sequence's first
+    row (it multiplies the zero entering state)."""
+    P = sum(seg_counts)
+    forward_m = 0.9 * torch.eye(K) + 0.05 * torch.randn(P, H, K, K, generator=gen) / K ** 0.5
+    reverse_m = torch.empty(P, H, K, K)
+    s = 0
+    for count in seg_counts:
+        forward_m[s + count - 1] = float("nan")
+        for i in range(s, s + count):
+            reverse_m[i] = forward_m[2 * s + count - 1 - i].transpose(-1, -2)
+        reverse_m[s] = 0.
+        s += count
+    X = torch.randn(P, H, K, V, generator=gen)
+    mx = torch.cat([torch.full((P, H, K, K), float("nan")), X], -1)
+    forward_maps = torch.cat([forward_m, torch.randn(P, H, K, V, generator=gen)], -1)
+    return mx, forward_maps, reverse_m, X
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("K", [48, 160])
+@pytest.mark.parametrize("final", [True, False])
+def test_combine_takes_the_forward_maps_transposed(device, seed, K, final):
+    """The reverse pass's combine with ``forward_maps`` (:func:`_reverse_case`), in both
+    walks: in registers (K = 48) and through memory (K = 160)."""
+    gen = generator(seed)
+    H, V = 2, 40
+    seg_counts = [4, 1, 2]   # four: a middle row that is not its own mirror
+    mx, forward_maps, reverse_m, X = _reverse_case(gen, H, K, V, seg_counts)
+    offsets = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
+    to = dict(device=device)
+    ht = torch.empty(len(seg_counts), H, K, V, dtype=torch.float32, **to) if final else None
+    entering = combine_segment_states(mx.to(**to), None, "delta", offsets.to(**to), V, None,
+                                      ht, forward_maps=forward_maps.to(**to))
+    ref_entering, ref_final = _walk(reverse_m, X, None, "delta", seg_counts, None)
+    assert_rel_close("entering states", entering.cpu(), ref_entering, 1e-4)
+    if final:
+        assert_rel_close("final states", ht.cpu(), ref_final, 1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form,K", [("delta", 96), ("delta", 128), ("delta", 256),
                                     ("scalar", 128)])
@@ -100,6 +144,32 @@ def test_every_combine_config_gpu(form, K, device, seed, monkeypatch):
             entering = combine_segment_states(
                 mx, None if decay is None else decay.to(device), form, offsets, V,
                 h0.to(device), final)
+            torch.cuda.synchronize()
+        assert_rel_close(f"entering states {config}", entering.cpu(), ref_entering, 1e-4)
+        assert_rel_close(f"final states {config}", final.cpu(), ref_final, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [128, 256])
+def test_every_combine_config_with_forward_maps_gpu(K, device, seed, monkeypatch):
+    """Each config of the delta form's space with the forward's maps read transposed (the
+    reverse pass without a final-state gradient) builds and gives the float64 walk."""
+    from fla.ops.common.chunk_state_combine import chunk_state_combine_kernel
+    from tests.ops.config_sweep import force_config
+    gen = generator(seed)
+    H, V, seg_counts = 4, K, [5, 3]
+    mx, forward_maps, reverse_m, X = _reverse_case(gen, H, K, V, seg_counts)
+    mx, forward_maps = mx.to(device), forward_maps.to(device)
+    offsets = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    ref_entering, ref_final = _walk(reverse_m, X, None, "delta", seg_counts, None)
+    configs = chunk_state_combine_kernel.candidates(dict(K=K, V=V, h0=None, FORM="delta"))
+    assert configs
+    for config in configs:
+        with monkeypatch.context() as m:
+            force_config(m, chunk_state_combine_kernel, config)
+            final = torch.empty(len(seg_counts), H, K, V, dtype=torch.float32, device=device)
+            entering = combine_segment_states(mx, None, "delta", offsets, V, None, final,
+                                              forward_maps=forward_maps)
             torch.cuda.synchronize()
         assert_rel_close(f"entering states {config}", entering.cpu(), ref_entering, 1e-4)
         assert_rel_close(f"final states {config}", final.cpu(), ref_final, 1e-4)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_fwd_inter import segment_of_program, state_columns
 from fla.ops.common.chunk_state_combine import combine_segment_states
-from fla.ops.common.chunk_segments import reversed_segment_order, segment_tables
+from fla.ops.common.chunk_segments import segment_tables
 from fla.ops.utils.index import first_chunk_row, prepare_chunk_offsets, varlen_chunk_indices
 from fla.ops.utils.tiles import (check_buffer, check_kernel_device, sixteen_bit,
                                  state_row_heights, tile_width)
@@ -515,7 +515,8 @@ def chunk_gated_delta_rule_bwd_dhu(
             (:func:`fla.ops.common.chunk_fwd_inter.chunk_gated_delta_rule_fwd_inter`'s
             ``return_segment_maps``; each sequence's last row unset). A segment's reverse
             map is the transpose of its forward map M, so the transitions then run on
-            the X columns alone (half the columns at K = V) and M is taken from these.
+            the X columns alone (half the columns at K = V) and the combine reads M
+            from these, transposed.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -585,7 +586,6 @@ def chunk_gated_delta_rule_bwd_dhu(
     x_only = w is not None and dht is None and segment_maps is not None
     if x_only:
         check_buffer("segment_maps", segment_maps, (P, H, K, K + V), torch.float32, k.device)
-        _reverse_maps(segment_maps, offsets, segment_chunks, mx)
     kernel[lambda meta: (cdiv(width, meta["BV"]) - (K // meta["BV"] if x_only else 0),
                          P * H)](
         seg_state=mx, seg_decay=seg_decay, TRANSITION=True, X_ONLY=x_only, **split,
@@ -593,25 +593,9 @@ def chunk_gated_delta_rule_bwd_dhu(
     # Segments listed last to first: the combine's "entering" state of each is the
     # gradient leaving it, and its final state the gradient of the initial state.
     leaving = combine_segment_states(mx, seg_decay, "delta" if w is not None else "scalar",
-                                     seg_offsets, V, dht, dh0)
+                                     seg_offsets, V, dht, dh0,
+                                     forward_maps=segment_maps if x_only else None)
     kernel[lambda meta: (cdiv(V, meta["BV"]), P * H)](
         seg_state=leaving, TRANSITION=False, **split, **common)
     return dh, dh0, dv2
 
-
-def _reverse_maps(segment_maps: torch.Tensor, offsets: list[int], segment_chunks: int,
-                  mx: torch.Tensor) -> None:
-    """M of the reverse pass's transitions ``mx [P, H, K, K + V]`` (segments listed last
-    to first per sequence) from the forward's ``segment_maps`` (first to last): over a
-    segment the forward maps S_out = M S_in + X chunk by chunk with A_c = e^{γ_L} I −
-    (K ⊙ e^{γ_L − γ})ᵀ W, and the reverse pass dS_in = A_cᵀ dS_out + X'_c, so the
-    segment's reverse map is (A_L ⋯ A_1)ᵀ = Mᵀ. The rows of each sequence's last segment
-    (the forward computes no map for it) are zero: the reverse walk starts there from a
-    zero gradient (no ``dht``), so its map only ever multiplies zero."""
-    K = mx.shape[2]
-    order, last_rows = reversed_segment_order(offsets, segment_chunks, mx.device)
-    mx[..., :K] = segment_maps[..., :K].index_select(0, order).transpose(-1, -2)
-    # index_fill_ takes the zero as a kernel argument; `mx[last_rows] = 0.` would copy a
-    # host scalar to the device, and that copy synchronises the host with the GPU (it
-    # stalled the whole backward behind the forward: ~170 µs at 1x65536x8x128).
-    mx[..., :K].index_fill_(0, last_rows, 0.)

@@ -29,7 +29,7 @@ from fla.utils.grid import cdiv
 from fla.utils.triton_facts import multiprocessor_count
 
 __all__ = ["segment_chunks_for", "lead_chunks_for", "segment_tables", "split_tables",
-           "reversed_segment_order", "lead_split_tables", "sequence_chunks",
+           "lead_split_tables", "sequence_chunks",
            "transition_width", "program_slots"]
 
 CHUNK = 64  # tokens a chunk, in every chunk pass
@@ -241,26 +241,6 @@ def segment_tables(offsets: list[int], chunks: int, device,
         return cached
     rows, starts = _uniform_rows(offsets, chunks, reverse)
     tables = (_table(rows, device), torch.tensor(starts, dtype=torch.int32).to(device))
-    _remember(_segment_tables, key, tables)
-    return tables
-
-
-def reversed_segment_order(offsets: list[int], chunks: int, device
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the reverse tables of :func:`segment_tables` (each sequence's segments last to
-    first): ``(order [P], last [N'])`` int64, the forward table's row of each reverse row,
-    and the reverse rows that hold a sequence's last segment (each sequence's first row
-    there). Cached per (offsets, size)."""
-    key = ("reversed order", tuple(offsets), chunks, str(device))
-    cached = _segment_tables.get(key)
-    if cached is not None:
-        return cached
-    _, starts = _uniform_rows(offsets, chunks)
-    order = [first + last - 1 - r for first, last in zip(starts[:-1], starts[1:])
-             for r in range(first, last)]
-    last = [first for first, end in zip(starts[:-1], starts[1:]) if end > first]
-    tables = (torch.tensor(order, dtype=torch.int64).to(device),
-              torch.tensor(last, dtype=torch.int64).to(device))
     _remember(_segment_tables, key, tables)
     return tables
 

@@ -70,14 +70,37 @@ def _combine_space(args) -> list[Config]:
 
 
 @triton.jit
-def _affine_step(mx, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, o_v, m_v, DOT_PRECISION: tl.constexpr):
+def _segment_map(mx, maps, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl.constexpr,
+                 FORWARD_MAPS: tl.constexpr):
+    """Where segment ``i_s``'s M lies: ``(pointer, row stride, column stride, rows)``,
+    its rows below ``rows`` read (those past it as zero). M is ``mx[i_s, i_h][:, :K]``,
+    or with ``FORWARD_MAPS`` the transpose of the forward pass's map of the same segment:
+    the reverse pass lists a sequence's segments last to first, so its row ``i_s`` is the
+    forward's row ``s0 + s1 - 1 - i_s``. Its first row (the sequence's last segment) has
+    no forward map (``rows`` 0: M reads as zero); the walk starts there from a zero
+    state, which that map would only multiply."""
+    if FORWARD_MAPS:
+        p_m = maps + (tl.full([], 0, tl.int64) + (s0 + s1 - 1 - i_s) * H + i_h) * (K * (K + V))
+        # (A row count, not a scalar bool and-ed into the mask: the interpreter turns a
+        # bool tile & a bool scalar into int32, which it then refuses as a mask.)
+        return p_m, 1, K + V, tl.where(i_s != s0, K, 0)
+    p_m = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
+    return p_m, K + V, 1, K
+
+
+@triton.jit
+def _affine_step(mx, maps, src, dst, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, o_v, m_v, FORWARD_MAPS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """dst[:, cols] = M_s src[:, cols] + X_s[:, cols] for segment ``i_s``'s transition
-    ``mx[i_s, i_h] = [M | X]`` (K x (K + V)); ``src``/``dst`` point at K x V states."""
+    ``mx[i_s, i_h] = [M | X]`` (K x (K + V); M placed by :func:`_segment_map`);
+    ``src``/``dst`` point at K x V states."""
     o_k = tl.arange(0, BK)
     # int64 offsets: P·H·K·(K + V) can pass 2³¹. (A loop counter is a Python int in the
     # interpreter, hence the add rather than .to().)
     p_mx = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
+    p_m, stride_r, stride_c, m_rows = _segment_map(mx, maps, i_s, s0, s1, i_h, H, K, V,
+                                                   FORWARD_MAPS)
     for i_r in range(tl.cdiv(K, BK)):
         rows = i_r * BK + o_k
         m_r = rows < K
@@ -86,8 +109,8 @@ def _affine_step(mx, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.constexpr,
         for i_c in range(tl.cdiv(K, BK)):
             cols = i_c * BK + o_k
             m_c = cols < K
-            b_m = tl.load(p_mx + rows[:, None] * (K + V) + cols[None, :],
-                          mask=m_r[:, None] & m_c[None, :], other=0.)
+            b_m = tl.load(p_m + rows[:, None] * stride_r + cols[None, :] * stride_c,
+                          mask=(rows < m_rows)[:, None] & m_c[None, :], other=0.)
             b_src = tl.load(src + cols[:, None] * V + o_v[None, :],
                             mask=m_c[:, None] & m_v[None, :], other=0.)
             b_s = tl.dot(b_m, b_src, b_s, input_precision=DOT_PRECISION)
@@ -117,9 +140,10 @@ def _scaled_step(x, seg_decay, src, dst, i_s, i_h, H, K: tl.constexpr, V: tl.con
 
 
 @triton.jit
-def _affine_walk(mx, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, o_v, m_v, USE_INITIAL_STATE: tl.constexpr,
-                 STORE_FINAL_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _affine_walk(mx, maps, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr,
+                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, o_v, m_v,
+                 USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                 FORWARD_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The delta form's walk with the whole K x BV state one register tile (K ≤ BK):
     ``S ← M_s S + X_s`` a segment as one K-deep dot, S kept in registers from segment to
     segment (no store and reload through L2, no barrier between steps: the chain is the
@@ -135,13 +159,14 @@ def _affine_walk(mx, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr, V: tl
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
     tl.store(seg_h0 + (s0.to(tl.int64) * H + i_h) * (K * V) + p_s, b_s, mask=m_s)
-    p_m = o_k[:, None] * (K + V) + o_k[None, :]
-    m_m = m_k[:, None] & m_k[None, :]
     p_x = o_k[:, None] * (K + V) + K + o_v[None, :]
     # The last segment's step only when its result, the final state, is asked for.
     for i_s in range(s0, s1 - 1 + STORE_FINAL_STATE):
         p_mx = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
-        b_m = tl.load(p_mx + p_m, mask=m_m, other=0.)
+        p_m, stride_r, stride_c, m_rows = _segment_map(mx, maps, i_s, s0, s1, i_h, H, K,
+                                                       V, FORWARD_MAPS)
+        b_m = tl.load(p_m + o_k[:, None] * stride_r + o_k[None, :] * stride_c,
+                      mask=(o_k < m_rows)[:, None] & m_k[None, :], other=0.)
         b_x = tl.load(p_mx + p_x, mask=m_s, other=0.)
         b_s = tl.dot(b_m, b_s, b_x, input_precision=DOT_PRECISION)
         dst = seg_h0 + (tl.full([], 0, tl.int64) + (i_s + 1) * H + i_h) * (K * V)
@@ -154,10 +179,10 @@ def _affine_walk(mx, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr, V: tl
 @tuned(key=["K", "V", "h0", "FORM"], default=_combine_default, space=_combine_space)
 @triton.jit
 def chunk_state_combine_kernel(
-    mx, seg_decay, h0, seg_h0, ht, seg_offsets,
+    mx, maps, seg_decay, h0, seg_h0, ht, seg_offsets,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    FORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FORM: tl.constexpr, FORWARD_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
     its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
@@ -166,7 +191,9 @@ def chunk_state_combine_kernel(
     :func:`fla.ops.common.chunk_segments.transition_width`): ``"delta"``, where ``mx [P,
     H, K, K + V]`` holds ``[M | X]``; ``"scalar"`` (simple GLA), where ``mx [P, H, K,
     V]`` holds X and ``seg_decay [P, H]`` log M (M = e^d I); ``"vector"`` (GLA, RWKV6),
-    X and ``seg_decay [P, H, K]`` the log of M's diagonal. The delta form
+    X and ``seg_decay [P, H, K]`` the log of M's diagonal. With ``FORWARD_MAPS`` (the
+    delta form's reverse pass) M comes transposed from the forward's ``maps [P, H, K, K
+    + V]`` (:func:`_segment_map`) and ``mx``'s M columns are not read. The delta form
     with K ≤ BK walks with S in registers (:func:`_affine_walk`); otherwise each step
     stores S and reads it back by row tiles of BK."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -176,8 +203,8 @@ def chunk_state_combine_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if FORM == "delta" and BK >= K:
-        _affine_walk(mx, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K, V, BK, BV, o_v, m_v,
-                     USE_INITIAL_STATE, STORE_FINAL_STATE, DOT_PRECISION)
+        _affine_walk(mx, maps, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K, V, BK, BV, o_v, m_v,
+                     USE_INITIAL_STATE, STORE_FINAL_STATE, FORWARD_MAPS, DOT_PRECISION)
     else:
         first = seg_h0 + (s0.to(tl.int64) * H + i_h) * (K * V)
         for i_r in range(tl.cdiv(K, BK)):
@@ -195,8 +222,8 @@ def chunk_state_combine_kernel(
             tl.debug_barrier()
             src = seg_h0 + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * V)
             if FORM == "delta":
-                _affine_step(mx, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v,
-                             DOT_PRECISION)
+                _affine_step(mx, maps, src, src + H * K * V, i_s, s0, s1, i_h, H, K, V, BK,
+                             o_v, m_v, FORWARD_MAPS, DOT_PRECISION)
             else:
                 _scaled_step(mx, seg_decay, src, src + H * K * V, i_s, i_h, H, K, V, BK, o_v, m_v,
                              FORM == "vector")
@@ -205,7 +232,8 @@ def chunk_state_combine_kernel(
             src = seg_h0 + (tl.full([], 0, tl.int64) + (s1 - 1) * H + i_h) * (K * V)
             dst = ht + (i_n.to(tl.int64) * H + i_h) * (K * V)
             if FORM == "delta":
-                _affine_step(mx, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v, DOT_PRECISION)
+                _affine_step(mx, maps, src, dst, s1 - 1, s0, s1, i_h, H, K, V, BK, o_v, m_v,
+                             FORWARD_MAPS, DOT_PRECISION)
             else:
                 _scaled_step(mx, seg_decay, src, dst, s1 - 1, i_h, H, K, V, BK, o_v, m_v,
                              FORM == "vector")
@@ -214,22 +242,39 @@ def chunk_state_combine_kernel(
 def combine_segment_states(mx: torch.Tensor, seg_decay: torch.Tensor | None, form: str,
                            seg_offsets: torch.Tensor, V: int,
                            initial_state: torch.Tensor | None = None,
-                           final_state: torch.Tensor | None = None) -> torch.Tensor:
+                           final_state: torch.Tensor | None = None,
+                           forward_maps: torch.Tensor | None = None) -> torch.Tensor:
     """The split's serial step (:func:`chunk_state_combine_kernel`, one program per V
     tile, head and sequence): the state entering each segment, ``seg_h0 [P, H, K, V]``
     float32, from the transitions ``mx [P, H, K, W]`` (and ``seg_decay``, ``[P, H]`` for
     ``form == "scalar"``, ``[P, H, K]`` for ``"vector"``, None for ``"delta"``), the
     sequences' ``initial_state [N, H, K, V]`` (None: zeros), with ``seg_offsets [N + 1]``
     from :func:`fla.ops.common.chunk_segments.segment_tables`. Writes each sequence's
-    state after its last segment to ``final_state [N, H, K, V]`` float32 when given."""
+    state after its last segment to ``final_state [N, H, K, V]`` float32 when given.
+
+    ``forward_maps [P, H, K, K + V]`` float32 (the delta form's reverse pass, without an
+    initial state): the forward pass's transitions of the same segments, listed first to
+    last where ``mx`` lists each sequence's last to first (the same ``seg_offsets``);
+    each M is then the transpose of its segment's forward M and ``mx``'s M columns are
+    not read (the forward has no map of a sequence's last segment, which the reverse
+    walk enters with a zero state)."""
     P, H, K = mx.shape[:3]
     N = seg_offsets.numel() - 1
+    if forward_maps is not None:
+        if form != "delta" or initial_state is not None:
+            raise ValueError("forward_maps: only for the delta form without an initial "
+                             "state (the reverse pass without a final-state gradient)")
+        if forward_maps.shape != mx.shape or forward_maps.dtype != torch.float32:
+            raise ValueError(f"forward_maps: expected float32 {tuple(mx.shape)}, got "
+                             f"{forward_maps.dtype} {tuple(forward_maps.shape)}")
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=mx.device)
     chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
-        mx=mx, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0, ht=final_state,
+        mx=mx, maps=forward_maps, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0,
+        ht=final_state,
         seg_offsets=seg_offsets, H=H, K=K, V=V,
         BK=tile_width(K, 128) if one_tile_walk(form, K) else tile_width(K, 64),
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final_state is not None, FORM=form,
+        FORWARD_MAPS=forward_maps is not None,
         DOT_PRECISION=dot_precision(torch.float32))
     return seg_h0

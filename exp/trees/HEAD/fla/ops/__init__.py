@@ -1,0 +1,1 @@
+"""Token-mixing recurrences: one sub-package per family (see ALGORITHMS.md)."""

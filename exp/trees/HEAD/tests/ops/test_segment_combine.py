@@ -1,0 +1,105 @@
+"""The split's serial combine (``combine_segment_states``) against a float64 walk: each
+segment's entering state and each sequence's final state, ``S ← M_s S + X_s`` (delta
+form) or ``S ← diag(e^d) S + X_s`` (scalar and vector forms).
+
+The delta form walks with the state in registers up to K = 128 (one tile) and through
+memory in row tiles above it; both are run here, on sequences with one, two and three
+segments, with and without initial and final states.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fla.ops.common.chunk_state_combine import combine_segment_states
+from tests.helpers import assert_rel_close, generator
+
+F64 = torch.float64
+
+
+def _walk(M, X, decay, form, seg_counts, h0):
+    """float64 reference: ``(entering [P, H, K, V], final [N, H, K, V])``."""
+    P, H, K, V = X.shape
+    entering = torch.empty(P, H, K, V, dtype=F64)
+    finals = []
+    s = 0
+    for n, count in enumerate(seg_counts):
+        S = torch.zeros(H, K, V, dtype=F64) if h0 is None else h0[n].to(F64)
+        for i in range(s, s + count):
+            entering[i] = S
+            if form == "delta":
+                S = M[i].to(F64) @ S + X[i].to(F64)
+            elif form == "scalar":
+                S = decay[i].to(F64).exp()[:, None, None] * S + X[i].to(F64)
+            else:
+                S = decay[i].to(F64).exp()[:, :, None] * S + X[i].to(F64)
+        finals.append(S)
+        s += count
+    return entering, torch.stack(finals)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("form,K", [("delta", 48), ("delta", 160), ("scalar", 48),
+                                    ("vector", 48)])
+@pytest.mark.parametrize("initial,final", [(True, True), (False, True), (True, False)])
+def test_combine_matches_the_float64_walk(device, seed, form, K, initial, final):
+    """V = 40: a partial V tile; without ``final`` the walk skips each sequence's last
+    step (the forward pass's case: its output launch writes the final states)."""
+    gen = generator(seed)
+    H, V = 2, 40
+    seg_counts = [3, 1, 2]
+    P = sum(seg_counts)
+    # A contractive M (near a decayed identity), as the delta rule's transitions are.
+    M = 0.9 * torch.eye(K) + 0.05 * torch.randn(P, H, K, K, generator=gen) / K ** 0.5
+    X = torch.randn(P, H, K, V, generator=gen)
+    decay = None
+    if form == "delta":
+        mx = torch.cat([M, X], -1)
+    else:
+        mx = X
+        shape = (P, H) if form == "scalar" else (P, H, K)
+        decay = -torch.rand(shape, generator=gen) * 2 - 0.01
+    h0 = torch.randn(len(seg_counts), H, K, V, generator=gen) if initial else None
+    offsets = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    to = dict(device=device)
+    ht = torch.empty(len(seg_counts), H, K, V, dtype=torch.float32, **to) if final else None
+    entering = combine_segment_states(
+        mx.to(**to).contiguous(), None if decay is None else decay.to(**to), form,
+        offsets.to(**to), V, None if h0 is None else h0.to(**to), ht)
+    ref_entering, ref_final = _walk(M, X, decay, form, seg_counts, h0)
+    assert_rel_close("entering states", entering.cpu(), ref_entering, 1e-4)
+    if final:
+        assert_rel_close("final states", ht.cpu(), ref_final, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form,K", [("delta", 96), ("delta", 128), ("delta", 256),
+                                    ("scalar", 128)])
+def test_every_combine_config_gpu(form, K, device, seed, monkeypatch):
+    """Each config of the combine's tuning space builds on this GPU and gives the float64
+    walk (fp32 states: tf32x3 dots)."""
+    from fla.ops.common.chunk_state_combine import chunk_state_combine_kernel
+    from tests.ops.config_sweep import force_config
+    gen = generator(seed)
+    H, V, seg_counts = 4, K, [5, 3]
+    P = sum(seg_counts)
+    M = 0.9 * torch.eye(K) + 0.05 * torch.randn(P, H, K, K, generator=gen) / K ** 0.5
+    X = torch.randn(P, H, K, V, generator=gen)
+    decay = -torch.rand(P, H, generator=gen) - 0.01 if form == "scalar" else None
+    mx = (torch.cat([M, X], -1) if form == "delta" else X).to(device).contiguous()
+    h0 = torch.randn(len(seg_counts), H, K, V, generator=gen)
+    offsets = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    ref_entering, ref_final = _walk(M, X, decay, form, seg_counts, h0)
+    args = dict(K=K, V=V, h0=h0.to(device), FORM=form)
+    configs = chunk_state_combine_kernel.candidates(args)
+    assert configs
+    for config in configs:
+        with monkeypatch.context() as m:
+            force_config(m, chunk_state_combine_kernel, config)
+            final = torch.empty(len(seg_counts), H, K, V, dtype=torch.float32, device=device)
+            entering = combine_segment_states(
+                mx, None if decay is None else decay.to(device), form, offsets, V,
+                h0.to(device), final)
+            torch.cuda.synchronize()
+        assert_rel_close(f"entering states {config}", entering.cpu(), ref_entering, 1e-4)
+        assert_rel_close(f"final states {config}", final.cpu(), ref_final, 1e-4)
