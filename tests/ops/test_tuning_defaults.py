@@ -455,14 +455,17 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
     """The delta rule's backward takes the forward's pass for h and Vn on full grids and
     where the pass splits, the staged pass on thin grids (H100, ms for the recompute and
     W: 1x8192x96x128 0.73 against 0.83, 4x4096x64x128 0.84 against 1.03, 1x65536x8x128
-    split 1.01, 8x2048x32x256 1.47; 2x16384x16x128 0.73 against 0.55 staged)."""
+    split 1.01, 8x2048x32x256 1.47; 4x2048x16x128 staged). 2x16384x16x128 took the staged
+    pass unsplit (0.73 against 0.55) until its forward split (2026-11-28): from the
+    forward's segment states its recompute is 0.29 + 0.13 ms (profile_case), and the
+    op's fwd+bwd went 3.278 -> 3.171 ms."""
     from fla.ops.common import chunk_segments
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
     from fla.utils import grid
     monkeypatch.setattr(grid, "multiprocessor_count", lambda: SMS)
     monkeypatch.setattr(chunk_segments, "multiprocessor_count", lambda: SMS)
     expected = {"1x8192x96x128": True, "4x4096x64x128": True, "1x65536x8x128": True,
-                "8x2048x32x256": True, "2x16384x16x128": False, "4x2048x16x128": False}
+                "8x2048x32x256": True, "2x16384x16x128": True, "4x2048x16x128": False}
     for shape, from_pass in expected.items():
         B, T, H, D = (int(x) for x in shape.split("x"))
         k = torch.empty(B, T, H, D, device="meta")
@@ -561,11 +564,17 @@ def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
 
 # The split's pieces without the delta (simple GLA at 2x16384x16x128; H100, Triton 3.6,
 # bf16, 2026-11-27, `profile_case --tune`): the transitions (BK, BV, warps, stages) and
-# the scalar combine (BV, warps, stages).
+# the scalar combine (BV, warps, stages); and the delta rule's transitions at
+# 1x65536x8x128 (the same way, 2026-11-28).
 SPLIT_MS = {
     "transition": {(64, 64, 4, 3): 0.1042, (128, 64, 4, 3): 0.1043, (64, 32, 4, 2): 0.1170,
                    (128, 32, 4, 2): 0.1180, (64, 64, 4, 2): 0.1216, (128, 64, 4, 2): 0.1286,
                    (128, 64, 4, 1): 0.1388},
+    "delta transition": {(64, 64, 4, 3): 0.3122, (128, 64, 4, 3): 0.3236,
+                         (128, 64, 4, 2): 0.3353, (64, 64, 4, 2): 0.3539,
+                         (128, 64, 4, 1): 0.3582, (128, 32, 4, 2): 0.4360,
+                         (64, 64, 4, 1): 0.4538, (64, 32, 4, 2): 0.4680,
+                         (128, 32, 4, 3): 0.4729, (64, 32, 4, 3): 0.4856},
     "combine": {(32, 8, 2): 0.0130, (32, 8, 1): 0.0131, (64, 2, 2): 0.0157,
                 (32, 4, 2): 0.0168, (64, 4, 2): 0.0170, (32, 2, 2): 0.0201},
 }
@@ -573,7 +582,7 @@ SPLIT_MS = {
 
 def test_split_pieces_without_the_delta_follow_the_measured_best():
     """Simple GLA's transitions take a third stage (no Q tiles: the shared memory is
-    there) and the scalar combine 8 warps; the delta's transitions keep their rule."""
+    there) and the scalar combine 8 warps; so do the delta's transitions, at 64 columns."""
     from fla.ops.common import chunk_fwd_inter as inter
     args = dict(K=128, V=128, k=BF16, DELTA=False, FORM_AQK=False, TRANSITION=True,
                 SPLIT=True, FEW_PROGRAMS=0)
@@ -581,8 +590,12 @@ def test_split_pieces_without_the_delta_follow_the_measured_best():
     entry = (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
     _follows_the_best("transition", SPLIT_MS["transition"], config, inter._space(args),
                       entry)
-    delta = inter._default(dict(args, DELTA=True))
-    assert (delta.meta["BV"], delta.num_stages) == (32, 2)
+    # The delta's transitions (K + V columns), timed at 1x65536x8x128 on 2026-11-28.
+    delta_args = dict(args, DELTA=True)
+    delta = inter._default(delta_args)
+    _follows_the_best("delta transition", SPLIT_MS["delta transition"], delta,
+                      inter._space(delta_args),
+                      (delta.meta["BK"], delta.meta["BV"], delta.num_warps, delta.num_stages))
     args = dict(K=128, V=128, h0=None, FORM="scalar")
     from fla.ops.common import chunk_state_combine as combine
     config = combine._combine_default(args)

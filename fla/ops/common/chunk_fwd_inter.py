@@ -138,7 +138,13 @@ def _default(args) -> Config:
         return Config(BV=tile_width(args["V"], 32),
                       BK=tile_width(args["K"], 64 if few else 128), num_warps=4, num_stages=2)
     if args["DELTA"] and args["TRANSITION"]:
-        few = max(few, 1)
+        # The delta's transitions ([M | X], K + V columns, no Q tiles): 64 columns over
+        # 64 rows and three stages. H100, Triton 3.6, bf16, 1x65536x8x128 (15 of 16
+        # segments, 64 chunks each), the space timed by `profile_case --tune` on
+        # 2026-11-28: 0.312 ms against 0.468 at the 32 columns / two stages the launch
+        # model had been fitted with (0.324 at 128 rows, 0.354 at two stages).
+        return Config(BV=tile_width(args["V"], 64), BK=tile_width(args["K"], 64),
+                      num_warps=4, num_stages=3 if sixteen_bit(args) else 2)
     # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
     # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
     # So have a split's transitions without the delta (simple GLA's, no Q tiles either):

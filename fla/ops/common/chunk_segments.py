@@ -65,7 +65,14 @@ MIN_SEGMENT_CHUNKS = 8
 # fit in one wave either way), and chunk_gk_fwd's split still runs them all. Since
 # 2026-11-27 the scalar form has no combine launch (each output program walks its
 # sequence's earlier transitions: H100, 2x16384x16x128, the 5 µs launch gone and the
-# output launch 3.8 µs longer); its COMBINE_STEP was not refitted.
+# output launch 3.8 µs longer); its COMBINE_STEP was not refitted. Since 2026-11-28 the
+# delta's transitions run 64 columns (4 programs a head and segment at K = V = 128, not
+# 8) at three stages: at 1x65536x8x128 (15 transition segments of 64 chunks, 480
+# programs, two waves) they took 0.312 ms, 0.70 of an output step a chunk step, as
+# fitted, so the model keeps 0.7 and now counts 4 tiles; its combine's step measures
+# ~1.0 there (54 µs over 16 segments: its walk in registers), against 4.0 here, not
+# refitted. With it the model splits 2x16384x16x128 too (64 chunks; op forward 0.987 ->
+# 0.902 ms).
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
 COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}

@@ -78,9 +78,10 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     instead of the output) rather than the staged pass over W and U. The forward's pass
     moves less (no U; 0.53 + 0.20 ms for the pass and W against 0.36 + 0.47 for W, U and
     the staged pass at 1x8192x96x128 on H100) but chains one more dot a chunk, which a
-    thin grid feels: 0.60 + 0.13 against 0.24 + 0.31 at 2x16384x16x128. So: where some SM
-    holds two programs, or where the pass would split few long sequences into segments
-    (1x65536x8x128: 0.88 + 0.14 ms), which the staged pass cannot."""
+    thin grid feels: 0.60 + 0.13 against 0.24 + 0.31 at 2x16384x16x128 unsplit. So: where
+    some SM holds two programs, or where the pass would split few long sequences into
+    segments, which the staged pass cannot (from the forward's segment states,
+    1x65536x8x128 and 2x16384x16x128 each ~0.29 + 0.13 ms on H100, 2026-11-28)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = B if offsets is None else len(offsets) - 1
