@@ -150,7 +150,7 @@ def test_every_combine_config_gpu(form, K, device, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("K", [96, 128, 256])
 def test_every_combine_config_with_forward_maps_gpu(K, device, seed, monkeypatch):
     """Each config of the delta form's space with the forward's maps read transposed (the
     reverse pass without a final-state gradient) builds and gives the float64 walk."""

@@ -580,7 +580,7 @@ SPLIT_MS = {
 }
 
 
-def test_split_pieces_without_the_delta_follow_the_measured_best():
+def test_split_pieces_follow_the_measured_best():
     """Simple GLA's transitions take a third stage (no Q tiles: the shared memory is
     there) and the scalar combine 8 warps; so do the delta's transitions, at 64 columns."""
     from fla.ops.common import chunk_fwd_inter as inter

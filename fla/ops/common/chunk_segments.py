@@ -72,7 +72,9 @@ MIN_SEGMENT_CHUNKS = 8
 # fitted, so the model keeps 0.7 and now counts 4 tiles; its combine's step measures
 # ~1.0 there (54 µs over 16 segments: its walk in registers), against 4.0 here, not
 # refitted. With it the model splits 2x16384x16x128 too (64 chunks; op forward 0.987 ->
-# 0.902 ms).
+# 0.902 ms), and other shapes that it left whole before (offline, 132 SMs: e.g.
+# 2x4096x8x128 now in 16-chunk segments, 1x65536x32x128 in 256), not timed; the
+# issues' other shapes keep their choice.
 PROGRAMS_PER_SM = 2
 TRANSITION_STEP = {"scalar": 0.44, "delta": 0.7, "vector": 0.44}
 COMBINE_STEP = {"scalar": 2.0, "delta": 4.0, "vector": 2.0}

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fla.ops.utils.tiles import tile_width
+from fla.ops.utils.tiles import check_buffer, tile_width
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
 from fla.utils.tuning import Config, tuned
@@ -176,7 +176,11 @@ def _affine_walk(mx, maps, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr,
         tl.store(dst + p_s, b_s, mask=m_s)
 
 
-@tuned(key=["K", "V", "h0", "FORM"], default=_combine_default, space=_combine_space)
+# ``maps`` and ``ht`` in the key: the reverse pass's combine (the forward's maps read
+# transposed, a final state where h0 is given) builds and runs otherwise than the
+# forward's (plain loads, no final state), so FLA_TUNE times them apart.
+@tuned(key=["K", "V", "h0", "FORM", "maps", "ht"], default=_combine_default,
+       space=_combine_space)
 @triton.jit
 def chunk_state_combine_kernel(
     mx, maps, seg_decay, h0, seg_h0, ht, seg_offsets,
@@ -264,9 +268,7 @@ def combine_segment_states(mx: torch.Tensor, seg_decay: torch.Tensor | None, for
         if form != "delta" or initial_state is not None:
             raise ValueError("forward_maps: only for the delta form without an initial "
                              "state (the reverse pass without a final-state gradient)")
-        if forward_maps.shape != mx.shape or forward_maps.dtype != torch.float32:
-            raise ValueError(f"forward_maps: expected float32 {tuple(mx.shape)}, got "
-                             f"{forward_maps.dtype} {tuple(forward_maps.shape)}")
+        check_buffer("forward_maps", forward_maps, mx.shape, torch.float32, mx.device)
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=mx.device)
     chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
         mx=mx, maps=forward_maps, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0,

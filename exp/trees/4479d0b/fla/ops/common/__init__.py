@@ -1,1 +1,0 @@
-"""Chunk stages shared by several recurrence families, and the float64 reference loop."""

@@ -1,1 +1,0 @@
-"""Token-mixing recurrences: one sub-package per family (see ALGORITHMS.md)."""
