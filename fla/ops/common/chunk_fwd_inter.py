@@ -108,8 +108,8 @@ def _default(args) -> Config:
     # memory is there): 2x16384x16x128 0.72 against 0.78 at two (1.06 at BV = 64),
     # 8x1024x8x64 0.051 against 0.057. At 1x8192x80x128 (160 programs) BV = 64 still wins,
     # 0.66 against 0.90. A split's delta transitions take 64 columns over 64 rows at three
-    # stages (below). Above K = 128, BV = 32 at 4 warps: 2.13 ms at 8x2048x32x256 against 2.23
-    # (2026-11-22; since 2026-11-27 the output pass on a full grid takes 64 columns at 8
+    # stages (below). Above K = 128, BV = 32 at 4 warps: 2.13 ms at 8x2048x32x256 against
+    # 2.23 (2026-11-22; since 2026-11-27 the output pass on a full grid takes 64 columns at 8
     # warps, below, where this Triton builds them). Simple GLA
     # (no delta: three dots a chunk, not eight): BV = 64, 0.58 ms at 1x8192x96x128 against
     # 0.78 at BV = 32.

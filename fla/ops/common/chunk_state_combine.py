@@ -80,7 +80,8 @@ def _segment_map(mx, maps, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl.constexpr
     no forward map (``rows`` 0: M reads as zero); the walk starts there from a zero
     state, which that map would only multiply."""
     if FORWARD_MAPS:
-        p_m = maps + (tl.full([], 0, tl.int64) + (s0 + s1 - 1 - i_s) * H + i_h) * (K * (K + V))
+        mirror = s0 + s1 - 1 - i_s
+        p_m = maps + (tl.full([], 0, tl.int64) + mirror * H + i_h) * (K * (K + V))
         # (A row count, not a scalar bool and-ed into the mask: the interpreter turns a
         # bool tile & a bool scalar into int32, which it then refuses as a mask.)
         return p_m, 1, K + V, tl.where(i_s != s0, K, 0)
