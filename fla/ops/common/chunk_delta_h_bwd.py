@@ -184,8 +184,8 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     columns) with W, into ``seg_state [P, H, K, K + V]``; without W, M is e^{Σ γ_L} I:
     X into ``seg_state [P, H, K, V]`` and Σ γ_L into ``seg_decay [P, H]``. (No vector
     gate.) With W and ``X_ONLY`` the programs skip the column tiles that lie wholly in M
-    (grid axis 0 starts at tile K // BV of ``[M | X]``): M is written by the caller, from
-    the forward's maps. :func:`fla.ops.common.chunk_state_combine.combine_segment_states`
+    (grid axis 0 starts at tile K // BV of ``[M | X]``): M's columns are left unwritten,
+    the combine reading M from the forward's maps instead. :func:`fla.ops.common.chunk_state_combine.combine_segment_states`
     then turns the transitions into each segment's leaving gradient and dh0.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -598,4 +598,3 @@ def chunk_gated_delta_rule_bwd_dhu(
     kernel[lambda meta: (cdiv(V, meta["BV"]), P * H)](
         seg_state=leaving, TRANSITION=False, **split, **common)
     return dh, dh0, dv2
-

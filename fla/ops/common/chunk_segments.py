@@ -29,8 +29,7 @@ from fla.utils.grid import cdiv
 from fla.utils.triton_facts import multiprocessor_count
 
 __all__ = ["segment_chunks_for", "lead_chunks_for", "segment_tables", "split_tables",
-           "lead_split_tables", "sequence_chunks",
-           "transition_width", "program_slots"]
+           "lead_split_tables", "sequence_chunks", "transition_width", "program_slots"]
 
 CHUNK = 64  # tokens a chunk, in every chunk pass
 

@@ -187,8 +187,8 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu
                   chunk_indices, offsets):
     """The Triton path: ``(o, final_state)`` through the custom op."""
     o, _, _, final_state, _, _, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
-                                         output_final_state, cu_seqlens, chunk_indices,
-                                         offsets)
+                                               output_final_state, cu_seqlens,
+                                               chunk_indices, offsets)
     return o, present(final_state, output_final_state)
 
 
