@@ -116,6 +116,41 @@ def test_combine_takes_the_forward_maps_transposed(device, seed, K, final):
         assert_rel_close("final states", ht.cpu(), ref_final, 1e-4)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("sms,thin", [(64, True), (63, False)])
+def test_thin_grid_walks_sixteen_columns(device, seed, monkeypatch, sms, thin):
+    """Where every 16-column program has an SM of its own (N·H·⌈V/16⌉ = 2·4·8 = 64
+    programs here), the launcher marks the grid thin and the walk runs 16 columns (under
+    MIN_DOT_TILE, its fp32 dots sanitizer-checked), still giving the float64 walk, with
+    and without the forward's maps."""
+    from fla.ops.common import chunk_state_combine
+    from tests.ops.config_sweep import record_launches
+    monkeypatch.setattr(chunk_state_combine, "multiprocessor_count", lambda: sms)
+    calls = record_launches(monkeypatch, chunk_state_combine.chunk_state_combine_kernel)
+    gen = generator(seed)
+    H, K, V, seg_counts = 4, 64, 128, [3, 2]
+    offsets = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    P = sum(seg_counts)
+    M = 0.9 * torch.eye(K) + 0.05 * torch.randn(P, H, K, K, generator=gen) / K ** 0.5
+    X = torch.randn(P, H, K, V, generator=gen)
+    final = torch.empty(len(seg_counts), H, K, V, dtype=torch.float32, device=device)
+    entering = combine_segment_states(torch.cat([M, X], -1).to(device), None, "delta",
+                                      offsets, V, None, final)
+    ref_entering, ref_final = _walk(M, X, None, "delta", seg_counts, None)
+    assert_rel_close("entering states", entering.cpu(), ref_entering, 1e-4)
+    assert_rel_close("final states", final.cpu(), ref_final, 1e-4)
+    mx, forward_maps, reverse_m, X = _reverse_case(gen, H, K, V, seg_counts)
+    entering = combine_segment_states(mx.to(device), None, "delta", offsets, V, None, final,
+                                      forward_maps=forward_maps.to(device))
+    ref_entering, ref_final = _walk(reverse_m, X, None, "delta", seg_counts, None)
+    assert_rel_close("entering states (maps)", entering.cpu(), ref_entering, 1e-4)
+    assert_rel_close("final states (maps)", final.cpu(), ref_final, 1e-4)
+    assert [named["THIN_GRID"] for _, named in calls] == [thin, thin]
+    kernel = chunk_state_combine.chunk_state_combine_kernel
+    widths = {kernel.chosen_config(**named).meta["BV"] for _, named in calls}
+    assert widths == ({16} if thin else {32})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form,K", [("delta", 96), ("delta", 128), ("delta", 256),
                                     ("scalar", 128)])

@@ -605,6 +605,11 @@ def test_split_pieces_follow_the_measured_best():
     # 1x65536x8x128: 71 µs against the tiled walk's 125 at its best), tiled above.
     delta = combine._combine_default(dict(args, FORM="delta"))
     assert (delta.meta["BV"], delta.num_warps, delta.num_stages) == (32, 8, 3)
+    # On a thin grid 16 columns (H200, 2026-11-28: the op's fwd at 1x65536x8x128
+    # 0.931 -> 0.915 ms; 2x16384x16x128, not thin, 0.862 against 0.868 at 16).
+    thin = combine._combine_default(dict(args, FORM="delta", THIN_GRID=True))
+    assert (thin.meta["BV"], thin.num_warps, thin.num_stages) == (16, 8, 3)
+    assert thin in combine._combine_space(dict(args, FORM="delta"))
     assert combine._combine_default(dict(args, FORM="delta", K=256)).num_warps == 4
 
 

@@ -29,10 +29,18 @@ import triton.language as tl
 
 from fla.ops.utils.tiles import check_buffer, tile_width
 from fla.utils.grid import cdiv
-from fla.utils.triton_facts import dot_precision
+from fla.utils.triton_facts import dot_precision, multiprocessor_count
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["combine_segment_states", "chunk_state_combine_kernel", "one_tile_walk"]
+
+
+# The walk in registers on a thin grid takes 16 columns, under MIN_DOT_TILE (set for a
+# Triton 3.6 miscompile of a 16-column fp16 product). This kernel's dots are fp32 (tf32x3):
+# compute-sanitizer's memcheck found no error in them at 16 columns (H200, Triton 3.6,
+# 2026-11-28: K = 64 and 128, two and three stages, with and without the forward's maps,
+# each matching the float64 walk to 5e-7), and the GPU config sweeps run this width too.
+COMBINE_THIN_TILE = 16
 
 
 def one_tile_walk(form: str, K: int) -> bool:
@@ -46,11 +54,16 @@ def _combine_default(args) -> Config:
     # by its loads: 8 warps keep more in flight (H100, Triton 3.6, 2x16384x16x128, the
     # space timed 2026-11-27: 13.0 µs against 16.8 at 4). The delta form's walk in
     # registers (the delta rule at 1x65536x8x128, 16 segments, 2026-11-28): 32 columns at
-    # 8 warps and three stages 71 µs, 4 warps 127-133 (16 columns, 54 µs, would go
-    # under MIN_DOT_TILE); the tiled walk through memory it replaced took 125-380 over its
-    # whole space.
+    # 8 warps and three stages 71 µs, 4 warps 127-133; the tiled walk through memory it
+    # replaced took 125-380 over its whole space. The walk is one chain of dots, so where
+    # even 16-column programs leave SMs idle (``THIN_GRID``) the narrower tile halves each
+    # program's chain (H200, Triton 3.6, bf16, 2026-11-28, the op with the combine forced,
+    # two rounds each, ms: 1x65536x8x128 fwd 0.933 / 0.928 -> 0.917 / 0.914, fwd+bwd
+    # 3.007 / 3.006 -> 2.984 / 2.981; 2x16384x16x128, 256 programs at 16 columns, fwd
+    # 0.862 -> 0.868: kept at 32 there).
     if one_tile_walk(args["FORM"], args["K"]):
-        return Config(BV=tile_width(args["V"], 32), num_warps=8, num_stages=3)
+        bv = COMBINE_THIN_TILE if args.get("THIN_GRID", False) else tile_width(args["V"], 32)
+        return Config(BV=bv, num_warps=8, num_stages=3)
     return Config(BV=tile_width(args["V"], 32),
                   num_warps=8 if args["FORM"] == "scalar" else 4, num_stages=2)
 
@@ -61,7 +74,7 @@ def _combine_space(args) -> list[Config]:
         # pipeline buffer holds a K x K M and a K x BV X in fp32 (160 KB at 32 columns
         # and three stages, 128 at 64 and two); 64 columns at three stages builds (192
         # KB, 255 registers) but was never timed nor run on a GPU, so it stays out.
-        widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
+        widths = sorted({COMBINE_THIN_TILE} | {tile_width(args["V"], bv) for bv in (32, 64)})
         return [Config(BV=bv, num_warps=8, num_stages=s)
                 for bv in widths for s in (2, 3) if bv < 64 or s < 3]
     widths = sorted({tile_width(args["V"], bv) for bv in (32, 64)})
@@ -180,7 +193,7 @@ def _affine_walk(mx, maps, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr,
 # ``maps`` and ``ht`` in the key: the reverse pass's combine (the forward's maps read
 # transposed, a final state where h0 is given) builds and runs otherwise than the
 # forward's (plain loads, no final state), so FLA_TUNE times them apart.
-@tuned(key=["K", "V", "h0", "FORM", "maps", "ht"], default=_combine_default,
+@tuned(key=["K", "V", "h0", "FORM", "maps", "ht", "THIN_GRID"], default=_combine_default,
        space=_combine_space)
 @triton.jit
 def chunk_state_combine_kernel(
@@ -188,6 +201,7 @@ def chunk_state_combine_kernel(
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     FORM: tl.constexpr, FORWARD_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    THIN_GRID: tl.constexpr = False,
 ):
     """Grid ``(NV, H, N)``: walk sequence n's segments s0 .. s1 − 1 in order, giving each
     its entering state ``seg_h0[s] = S`` and ``S ← M_s S + X_s``; the state after the
@@ -200,7 +214,9 @@ def chunk_state_combine_kernel(
     delta form's reverse pass) M comes transposed from the forward's ``maps [P, H, K, K
     + V]`` (:func:`_segment_map`) and ``mx``'s M columns are not read. The delta form
     with K ≤ BK walks with S in registers (:func:`_affine_walk`); otherwise each step
-    stores S and reads it back by row tiles of BK."""
+    stores S and reads it back by row tiles of BK. ``THIN_GRID`` (the walk in registers
+    where even 16-column programs would leave an SM idle) is read by the tuning layer
+    only."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s0 = tl.load(seg_offsets + i_n)
     s1 = tl.load(seg_offsets + i_n + 1)
@@ -271,13 +287,17 @@ def combine_segment_states(mx: torch.Tensor, seg_decay: torch.Tensor | None, for
                              "state (the reverse pass without a final-state gradient)")
         check_buffer("forward_maps", forward_maps, mx.shape, torch.float32, mx.device)
     seg_h0 = torch.empty(P, H, K, V, dtype=torch.float32, device=mx.device)
+    one_tile = one_tile_walk(form, K)
+    # A bool in the tuning key: a packed batch whose sequence count crosses the bound
+    # compiles the other variant once.
+    thin = one_tile and N * H * cdiv(V, COMBINE_THIN_TILE) <= multiprocessor_count()
     chunk_state_combine_kernel[lambda meta: (cdiv(V, meta["BV"]), H, N)](
         mx=mx, maps=forward_maps, seg_decay=seg_decay, h0=initial_state, seg_h0=seg_h0,
         ht=final_state,
         seg_offsets=seg_offsets, H=H, K=K, V=V,
-        BK=tile_width(K, 128) if one_tile_walk(form, K) else tile_width(K, 64),
+        BK=tile_width(K, 128) if one_tile else tile_width(K, 64),
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final_state is not None, FORM=form,
         FORWARD_MAPS=forward_maps is not None,
-        DOT_PRECISION=dot_precision(torch.float32))
+        DOT_PRECISION=dot_precision(torch.float32), THIN_GRID=thin)
     return seg_h0
