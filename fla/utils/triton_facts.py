@@ -53,9 +53,10 @@ HAS_TENSOR_DESCRIPTOR: bool = hasattr(tl, "make_tensor_descriptor")
 # The narrowest tile side our kernels give ``tl.dot``. Triton accepts 16, but Triton 3.6
 # on H100 miscompiled a [64, 64] x [64, 16] fp16 product (compute-sanitizer: an
 # out-of-bounds shared-memory read, then an illegal address); 32 with masked columns
-# costs nothing at real head sizes (>= 64). One kernel goes under it, with its fp32
-# dots checked by compute-sanitizer: the segment combine on thin grids
-# (fla.ops.common.chunk_state_combine.COMBINE_THIN_TILE).
+# costs nothing at real head sizes (>= 64). It is the floor of the column tiles that
+# ``tile_width`` gives the state passes (the intra-chunk kernels' fixed 16 x 16 blocks are
+# another matter); the segment combine's thin-grid tile goes under it, its fp32 dots
+# checked by compute-sanitizer (fla.ops.common.chunk_state_combine.COMBINE_THIN_TILE).
 MIN_DOT_TILE = 32
 
 # Triton 3.3.1 aborted compiling the vector-gate state pass with its output fused

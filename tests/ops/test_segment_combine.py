@@ -147,6 +147,10 @@ def test_thin_grid_walks_sixteen_columns(device, seed, monkeypatch, sms, thin):
     assert_rel_close("final states (maps)", final.cpu(), ref_final, 1e-4)
     assert [named["THIN_GRID"] for _, named in calls] == [thin, thin]
     kernel = chunk_state_combine.chunk_state_combine_kernel
+    # In the tuning key: else whichever case ran first would fix the width for both.
+    named = calls[0][1]
+    assert kernel.key_of(dict(named, THIN_GRID=True)) != kernel.key_of(
+        dict(named, THIN_GRID=False))
     widths = {kernel.chosen_config(**named).meta["BV"] for _, named in calls}
     assert widths == ({16} if thin else {32})
 

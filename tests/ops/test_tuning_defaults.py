@@ -610,6 +610,9 @@ def test_split_pieces_follow_the_measured_best():
     thin = combine._combine_default(dict(args, FORM="delta", THIN_GRID=True))
     assert (thin.meta["BV"], thin.num_warps, thin.num_stages) == (16, 8, 3)
     assert thin in combine._combine_space(dict(args, FORM="delta"))
+    # Only the walk in registers: the tiled walk and the scalar form keep 32 columns.
+    for other in (dict(FORM="delta", K=256), dict(FORM="scalar")):
+        assert combine._combine_default(dict(args, THIN_GRID=True, **other)).meta["BV"] == 32
     assert combine._combine_default(dict(args, FORM="delta", K=256)).num_warps == 4
 
 

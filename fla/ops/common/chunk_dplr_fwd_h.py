@@ -53,7 +53,7 @@ def chunk_gates(gk, row, H: tl.constexpr, K: tl.constexpr, o_t, m_t, o_k, m_k,
 
 
 def state_pass_default(args) -> Config:
-    # BV = 32 (the narrowest dot tile we use, fla.utils.triton_facts.MIN_DOT_TILE): twice
+    # BV = 32 (the narrowest state tile, fla.utils.triton_facts.MIN_DOT_TILE): twice
     # the programs of 64 for this latency-bound loop. 4 warps: two programs an SM (at 8
     # warps, 255 registers, one: RWKV7 4x4096x32x64's 256 programs then take two waves
     # on 132 SMs instead of one; offline sm_90 K = 64: 192 B of stack against 152). H100,

@@ -37,9 +37,12 @@ __all__ = ["combine_segment_states", "chunk_state_combine_kernel", "one_tile_wal
 
 # The walk in registers on a thin grid takes 16 columns, under MIN_DOT_TILE (set for a
 # Triton 3.6 miscompile of a 16-column fp16 product). This kernel's dots are fp32 (tf32x3):
-# compute-sanitizer's memcheck found no error in them at 16 columns (H200, Triton 3.6,
-# 2026-11-28: K = 64 and 128, two and three stages, with and without the forward's maps,
-# each matching the float64 walk to 5e-7), and the GPU config sweeps run this width too.
+# compute-sanitizer's memcheck found no error in them at 16 columns on Triton 3.3.1, 3.6.0
+# and 3.9.0 (H200, 2026-11-28: K = 64 and 128, two and three stages, with and without the
+# forward's maps, each matching the float64 walk to 5e-7; 3.9.0's launcher also reports
+# four cuFuncSetAttribute host calls refused, the same at 32 columns), and each of those
+# releases passed the GPU config sweeps with this width. 3.4, 3.5, 3.7 and 3.8 did not
+# run it.
 COMBINE_THIN_TILE = 16
 
 
@@ -56,8 +59,8 @@ def _combine_default(args) -> Config:
     # registers (the delta rule at 1x65536x8x128, 16 segments, 2026-11-28): 32 columns at
     # 8 warps and three stages 71 µs, 4 warps 127-133; the tiled walk through memory it
     # replaced took 125-380 over its whole space. The walk is one chain of dots, so where
-    # even 16-column programs leave SMs idle (``THIN_GRID``) the narrower tile halves each
-    # program's chain (H200, Triton 3.6, bf16, 2026-11-28, the op with the combine forced,
+    # 16-column programs leave at most one an SM (``THIN_GRID``) the narrower tile halves
+    # each program's chain (H200, Triton 3.6, bf16, 2026-11-28, the op with the combine forced,
     # two rounds each, ms: 1x65536x8x128 fwd 0.933 / 0.928 -> 0.917 / 0.914, fwd+bwd
     # 3.007 / 3.006 -> 2.984 / 2.981; 2x16384x16x128, 256 programs at 16 columns, fwd
     # 0.862 -> 0.868: kept at 32 there).
@@ -215,7 +218,7 @@ def chunk_state_combine_kernel(
     + V]`` (:func:`_segment_map`) and ``mx``'s M columns are not read. The delta form
     with K ≤ BK walks with S in registers (:func:`_affine_walk`); otherwise each step
     stores S and reads it back by row tiles of BK. ``THIN_GRID`` (the walk in registers
-    where even 16-column programs would leave an SM idle) is read by the tuning layer
+    where 16-column programs would be at most one an SM) is read by the tuning layer
     only."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s0 = tl.load(seg_offsets + i_n)
