@@ -60,10 +60,10 @@ def _combine_default(args) -> Config:
     # 8 warps and three stages 71 µs, 4 warps 127-133; the tiled walk through memory it
     # replaced took 125-380 over its whole space. The walk is one chain of dots, so where
     # 16-column programs leave at most one an SM (``THIN_GRID``) the narrower tile halves
-    # each program's chain (H200, Triton 3.6, bf16, 2026-11-28, the op with the combine forced,
-    # two rounds each, ms: 1x65536x8x128 fwd 0.933 / 0.928 -> 0.917 / 0.914, fwd+bwd
-    # 3.007 / 3.006 -> 2.984 / 2.981; 2x16384x16x128, 256 programs at 16 columns, fwd
-    # 0.862 -> 0.868: kept at 32 there).
+    # each program's chain (H200, Triton 3.6, bf16, 2026-11-28, the op with the combine
+    # forced, two rounds each, ms: 1x65536x8x128 fwd 0.933 / 0.928 -> 0.917 / 0.914,
+    # fwd+bwd 3.007 / 3.006 -> 2.984 / 2.981; 2x16384x16x128, 256 programs at 16
+    # columns, fwd 0.862 -> 0.868: kept at 32 there).
     if one_tile_walk(args["FORM"], args["K"]):
         bv = COMBINE_THIN_TILE if args.get("THIN_GRID", False) else tile_width(args["V"], 32)
         return Config(BV=bv, num_warps=8, num_stages=3)
