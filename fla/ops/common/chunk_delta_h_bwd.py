@@ -185,8 +185,9 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     X into ``seg_state [P, H, K, V]`` and Σ γ_L into ``seg_decay [P, H]``. (No vector
     gate.) With W and ``X_ONLY`` the programs skip the column tiles that lie wholly in M
     (grid axis 0 starts at tile K // BV of ``[M | X]``): M's columns are left unwritten,
-    the combine reading M from the forward's maps instead. :func:`fla.ops.common.chunk_state_combine.combine_segment_states`
-    then turns the transitions into each segment's leaving gradient and dh0.
+    the combine reading M from the forward's maps instead.
+    :func:`fla.ops.common.chunk_state_combine.combine_segment_states` then turns the
+    transitions into each segment's leaving gradient and dh0.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_p, i_h = i_nh // H, i_nh % H

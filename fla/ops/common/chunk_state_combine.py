@@ -86,23 +86,23 @@ def _combine_space(args) -> list[Config]:
 
 
 @triton.jit
-def _segment_map(mx, maps, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl.constexpr,
+def _segment_map(p_mx, maps, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl.constexpr,
                  FORWARD_MAPS: tl.constexpr):
     """Where segment ``i_s``'s M lies: ``(pointer, row stride, column stride, rows)``,
-    its rows below ``rows`` read (those past it as zero). M is ``mx[i_s, i_h][:, :K]``,
-    or with ``FORWARD_MAPS`` the transpose of the forward pass's map of the same segment:
-    the reverse pass lists a sequence's segments last to first, so its row ``i_s`` is the
-    forward's row ``s0 + s1 - 1 - i_s``. Its first row (the sequence's last segment) has
-    no forward map (``rows`` 0: M reads as zero); the walk starts there from a zero
-    state, which that map would only multiply."""
+    its rows below ``rows`` read (those past it as zero). M is the first K columns of
+    ``mx[i_s, i_h]`` (``p_mx`` points at it), or with ``FORWARD_MAPS`` the transpose of
+    the forward pass's map of the same segment: the reverse pass lists a sequence's
+    segments last to first, so its row ``i_s`` is the forward's row ``s0 + s1 - 1 -
+    i_s``. Its first row (the sequence's last segment) has no forward map (``rows`` 0: M
+    reads as zero); the walk starts there from a zero state, which that map would only
+    multiply."""
     if FORWARD_MAPS:
         mirror = s0 + s1 - 1 - i_s
         p_m = maps + (tl.full([], 0, tl.int64) + mirror * H + i_h) * (K * (K + V))
         # (A row count, not a scalar bool and-ed into the mask: the interpreter turns a
         # bool tile & a bool scalar into int32, which it then refuses as a mask.)
         return p_m, 1, K + V, tl.where(i_s != s0, K, 0)
-    p_m = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
-    return p_m, K + V, 1, K
+    return p_mx, K + V, 1, K
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _affine_step(mx, maps, src, dst, i_s, s0, s1, i_h, H, K: tl.constexpr, V: tl
     # int64 offsets: P·H·K·(K + V) can pass 2³¹. (A loop counter is a Python int in the
     # interpreter, hence the add rather than .to().)
     p_mx = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
-    p_m, stride_r, stride_c, m_rows = _segment_map(mx, maps, i_s, s0, s1, i_h, H, K, V,
+    p_m, stride_r, stride_c, m_rows = _segment_map(p_mx, maps, i_s, s0, s1, i_h, H, K, V,
                                                    FORWARD_MAPS)
     for i_r in range(tl.cdiv(K, BK)):
         rows = i_r * BK + o_k
@@ -180,7 +180,7 @@ def _affine_walk(mx, maps, h0, seg_h0, ht, s0, s1, i_n, i_h, H, K: tl.constexpr,
     # The last segment's step only when its result, the final state, is asked for.
     for i_s in range(s0, s1 - 1 + STORE_FINAL_STATE):
         p_mx = mx + (tl.full([], 0, tl.int64) + i_s * H + i_h) * (K * (K + V))
-        p_m, stride_r, stride_c, m_rows = _segment_map(mx, maps, i_s, s0, s1, i_h, H, K,
+        p_m, stride_r, stride_c, m_rows = _segment_map(p_mx, maps, i_s, s0, s1, i_h, H, K,
                                                        V, FORWARD_MAPS)
         b_m = tl.load(p_m + o_k[:, None] * stride_r + o_k[None, :] * stride_c,
                       mask=(o_k < m_rows)[:, None] & m_k[None, :], other=0.)
