@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.cases import BY_NAME, Prepared
-from tests.helpers import cu_seqlens_of
+from tests.helpers import cu_seqlens_of, generator, log_gate, randn, unit_interval
 
 # (case, shape): one shape a family, large enough for its real launch paths, small
 # enough for a test.
@@ -92,16 +92,11 @@ def test_varlen_step_never_waits_for_the_gpu(split, monkeypatch):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     lengths = [700, 93, 1500, 251]
     T, H, D = sum(lengths), 4, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def leaf(*shape, dtype=torch.bfloat16):
-        x = torch.randn(shape, generator=gen, device="cuda")
-        return x.to(dtype).requires_grad_(True)
-
-    q, k, v = leaf(1, T, H, D), leaf(1, T, H, D), leaf(1, T, H, D)
-    g = (-torch.rand(1, T, H, generator=gen, device="cuda") * 0.1).requires_grad_(True)
-    beta = torch.rand(1, T, H, generator=gen, device="cuda").to(torch.bfloat16)
-    beta.requires_grad_(True)
+    gen = generator(0)
+    leaf = dict(device="cuda", requires_grad=True)
+    q, k, v = (randn((1, T, H, D), gen, torch.bfloat16, **leaf) for _ in range(3))
+    g = log_gate((1, T, H), gen, low=-0.1, **leaf)
+    beta = unit_interval((1, T, H), gen, torch.bfloat16, **leaf)
     cu = cu_seqlens_of(lengths, "cuda")
     kn = torch.nn.functional.normalize
     prepared = Prepared(
