@@ -15,6 +15,7 @@ from fla.ops.common.chunk_fwd_inter import (
     chunk_gated_delta_rule_fwd_inter_kernel,
 )
 from fla.ops.common.chunk_fwd_intra import (
+    chunk_fwd_scores_kernel,
     chunk_gated_delta_rule_fwd_intra,
     chunk_gated_delta_rule_fwd_intra_kernel,
 )
@@ -426,7 +427,7 @@ def test_inter_without_initial_or_final_state(device, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
-    """Every config of both kernels' tuning spaces compiles and is correct in bf16 at
+    """Every config of the three kernels' tuning spaces compiles and is correct in bf16 at
     K = V = D (another Triton release hit an LLVM layout assertion at 8 warps, D = 256)."""
     gen = generator(seed)
     p = make_problem(gen, "cuda", B=2, T=200, H=2, K=D, V=D, dtype=torch.bfloat16)
@@ -435,8 +436,10 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
                                     p["h0"], None)
     Ai_ref = ref_tinv(ref_kkt(p["k"], p["beta"], g_cum, None, 64), None, 64)
     stages = [
-        ("intra", chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:],
-         (Ai_ref, ref_aqk(p["q"], p["k"], g_cum, None)), 1e-2),
+        ("scores", chunk_fwd_scores_kernel, lambda: run_intra(p, True)[2:],
+         (ref_aqk(p["q"], p["k"], g_cum, None),), 1e-2),
+        ("wy", chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:2],
+         (Ai_ref,), 1e-2),
         ("inter", chunk_gated_delta_rule_fwd_inter_kernel, lambda: run_inter(p, True, Ai, Aqk),
          (o_ref, ht_ref), 1e-2),
     ]

@@ -112,12 +112,29 @@ OUTPUT_MS = {
     },
 }
 
-# The intra-chunk kernel without the delta (simple GLA's scores above K = 128): (BK,
-# warps, stages) at 8x2048x32x256 (2026-11-26 evening; the rest of its space slower).
-INTRA_MS = {
-    "8x2048x32x256": {(64, 2, 2): 0.324, (64, 4, 1): 0.339, (64, 4, 2): 0.362,
-                      (64, 1, 2): 0.437, (64, 2, 1): 0.443, (64, 1, 1): 0.450,
-                      (32, 4, 1): 0.573},
+# The scores kernel of the fused forward (the delta rule's, and simple GLA's above K =
+# 128): (BK, warps, stages), each whole space on an H200 (Triton 3.6, bf16, 2026-11-28).
+SCORES_MS = {
+    "1x8192x96x128": {(64, 2, 2): 0.1475, (64, 2, 1): 0.1571, (64, 4, 2): 0.1572,
+                      (64, 8, 1): 0.1589, (64, 8, 2): 0.1628, (64, 4, 1): 0.1798,
+                      (32, 2, 2): 0.2186, (32, 2, 1): 0.2209, (32, 4, 2): 0.2219,
+                      (32, 4, 1): 0.2227, (32, 8, 2): 0.2404, (32, 8, 1): 0.2422},
+    "8x2048x32x256": {(64, 2, 2): 0.1591, (64, 4, 2): 0.1638, (64, 8, 2): 0.1652,
+                      (64, 8, 1): 0.1668, (64, 2, 1): 0.1736, (64, 4, 1): 0.1802,
+                      (32, 2, 2): 0.2354, (32, 4, 2): 0.2393, (32, 4, 1): 0.2398,
+                      (32, 2, 1): 0.2417, (32, 8, 2): 0.2455, (32, 8, 1): 0.2469},
+}
+
+# The delta rule's WY kernel ((I + A)⁻¹, one warp), same runs: (BK, warps, stages).
+WY_MS = {
+    "1x8192x96x128": {(64, 1, 2): 0.1664, (32, 1, 2): 0.1976, (64, 1, 1): 0.2062,
+                      (32, 1, 1): 0.2138, (64, 2, 2): 0.3197, (32, 2, 2): 0.3362,
+                      (64, 2, 1): 0.3526, (32, 2, 1): 0.4603, (64, 4, 2): 0.5282,
+                      (32, 4, 2): 0.6155, (32, 4, 1): 0.6247, (64, 4, 1): 0.6928},
+    "8x2048x32x256": {(64, 1, 2): 0.1493, (32, 1, 2): 0.1556, (64, 1, 1): 0.1908,
+                      (32, 1, 1): 0.2234, (64, 2, 2): 0.2805, (32, 2, 2): 0.2933,
+                      (64, 2, 1): 0.3310, (32, 2, 1): 0.3702, (64, 4, 1): 0.5148,
+                      (64, 4, 2): 0.5298, (32, 4, 2): 0.5355, (32, 4, 1): 0.6219},
 }
 
 # The DPLR (RWKV7) kernels at head size 128, RWKV7 4x4096x16x128 (2026-11-26 night, each
@@ -535,13 +552,17 @@ def test_output_kernel_default_follows_the_measured_best():
                            config.num_stages))
 
 
-def test_intra_kernel_default_without_the_delta_follows_the_measured_best():
+@pytest.mark.parametrize("kernel", ["scores", "wy"])
+def test_intra_kernel_defaults_follow_the_measured_best(kernel):
     from fla.ops.common import chunk_fwd_intra
-    for shape, times in INTRA_MS.items():
+    table, default, space = {
+        "scores": (SCORES_MS, chunk_fwd_intra._scores_default, chunk_fwd_intra._scores_space),
+        "wy": (WY_MS, chunk_fwd_intra._default, chunk_fwd_intra._space),
+    }[kernel]
+    for shape, times in table.items():
         D, _ = _dims(shape)
-        args = dict(K=D, k=BF16, DELTA=False)
-        config = chunk_fwd_intra._default(args)
-        _follows_the_best(shape, times, config, chunk_fwd_intra._space(args),
+        config = default(dict(K=D, k=BF16))
+        _follows_the_best(shape, times, config, space(dict(K=D, k=BF16)),
                           (config.meta["BK"], config.num_warps, config.num_stages))
 
 

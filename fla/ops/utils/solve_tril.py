@@ -58,23 +58,27 @@ def unit_lower_inverse_blocks(b_A):
     """(I + A_b)⁻¹ for each 16 x 16 block of a ``[NB, 16, 16]`` fp32 register tensor; only
     the strictly lower triangle of each block is read.
 
-    X = I + N with N strictly lower; row i of N is a + a·N with a = −A[i, :], which reads
-    only rows < i of N (already final), so rows are filled in order; the NB blocks take
-    their steps together (15 steps whatever NB, rows 0 and 1 needing none). Forward
-    substitution rather than a product of powers of A: the powers grow like binomial
-    coefficients and their rounding would swamp the result.
+    Forward substitution, X = (I + A)⁻¹ row by row: X_i = e_i − Σ_{k<i} A_ik X_k reads only
+    rows < i of X (already final). X is built transposed (column i of Xᵀ at step i): row
+    i of A then comes out of its reduction along the axis that Xᵀ's product reduces
+    across, and that product's result along the axis Xᵀ's column is written on, so no
+    step moves data between layouts (the untransposed form converted one vector a step:
+    on an H200, bf16, 1x8192x96x128, the WY kernel took 0.295 ms with it and 0.178
+    without). The NB blocks take their steps together (15 whatever NB). Substitution
+    rather than a product of powers of A: the powers grow like binomial coefficients and
+    their rounding would swamp the result.
     """
     o_i = tl.arange(0, 16)
     rows = o_i[None, :, None]
     cols = o_i[None, None, :]
+    eye = (rows == cols).to(tl.float32)
     b_A = tl.where(rows > cols, b_A, 0.)
-    b_N = -b_A
-    for i in range(2, 16):
-        sel = rows == i
-        b_a = -tl.sum(tl.where(sel, b_A, 0.), 1)
-        b_a += tl.sum(b_a[:, :, None] * b_N, 1)
-        b_N = tl.where(sel, b_a[:, None, :], b_N)
-    return b_N + (rows == cols).to(tl.float32)
+    b_Xt = eye + tl.zeros_like(b_A)  # Xᵀ: X_0 = e_0, rows of X past i still e_i
+    for i in range(1, 16):
+        b_a = tl.sum(tl.where(rows == i, b_A, 0.), 1)       # [NB, 16 (k)]: row i of A
+        b_s = tl.sum(b_a[:, None, :] * b_Xt, 2)             # [NB, 16 (j)]: Σ_k A_ik X_kj
+        b_Xt = tl.where(cols == i, eye - b_s[:, :, None], b_Xt)
+    return tl.permute(b_Xt, (0, 2, 1))
 
 
 @triton.jit
