@@ -67,21 +67,26 @@ __all__ = ["Config", "TunedKernel", "tuned", "tuning_enabled", "cache_dir"]
 
 @dataclass(frozen=True)
 class Config:
-    """One launch configuration: constexpr meta-parameters plus warps and stages."""
+    """One launch configuration: constexpr meta-parameters plus warps and stages, and
+    optionally a cap on the registers a thread (``maxnreg``, NVIDIA only: the compiler
+    otherwise takes all it finds useful, up to 255, which for one-warp programs can set
+    how many fit an SM)."""
 
     meta: Mapping[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None
 
     def __init__(self, meta: Mapping[str, Any] | None = None, *, num_warps: int = 4,
-                 num_stages: int = 2, **meta_kwargs: Any):
+                 num_stages: int = 2, maxnreg: int | None = None, **meta_kwargs: Any):
         merged = dict(meta or {})
         merged.update(meta_kwargs)
         object.__setattr__(self, "meta", dict(sorted(merged.items())))
         object.__setattr__(self, "num_warps", int(num_warps))
         object.__setattr__(self, "num_stages", int(num_stages))
+        object.__setattr__(self, "maxnreg", None if maxnreg is None else int(maxnreg))
         # Computed once: a config is hashed and compared on every launch (host time).
-        ident = (tuple(self.meta.items()), self.num_warps, self.num_stages)
+        ident = (tuple(self.meta.items()), self.num_warps, self.num_stages, self.maxnreg)
         object.__setattr__(self, "_ident", ident)
         object.__setattr__(self, "_hash", hash(ident))
         # Fused multiply-adds asked for explicitly: every kernel's numerics and speed were
@@ -90,6 +95,8 @@ class Config:
         # TRITON_FORCE_DISABLE_FP_FUSION still turns them off.
         options = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                    "enable_fp_fusion": True}
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "_launch", {**self.meta, **options})
 
@@ -98,16 +105,21 @@ class Config:
         return dict(self._launch)
 
     def options(self) -> dict[str, Any]:
-        """The compile options: num_warps, num_stages and enable_fp_fusion (True)."""
+        """The compile options: num_warps, num_stages, enable_fp_fusion (True) and, when
+        set, maxnreg."""
         return dict(self._options)
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": dict(self.meta), "num_warps": self.num_warps,
+        data = {"meta": dict(self.meta), "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            data["maxnreg"] = self.maxnreg
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Config":
-        return cls(data["meta"], num_warps=data["num_warps"], num_stages=data["num_stages"])
+        return cls(data["meta"], num_warps=data["num_warps"], num_stages=data["num_stages"],
+                   maxnreg=data.get("maxnreg"))
 
     def __hash__(self) -> int:
         return self._hash
@@ -117,7 +129,9 @@ class Config:
 
     def __str__(self) -> str:
         meta = ", ".join(f"{k}={v}" for k, v in self.meta.items())
-        return f"Config({meta}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+        regs = "" if self.maxnreg is None else f", maxnreg={self.maxnreg}"
+        return (f"Config({meta}, num_warps={self.num_warps}, num_stages={self.num_stages}"
+                f"{regs})")
 
     __repr__ = __str__
 

@@ -76,6 +76,19 @@ def test_config_equality_hash_and_json():
     assert str(a) == "Config(BK=64, BV=32, num_warps=4, num_stages=2)"
 
 
+def test_config_register_cap():
+    """``maxnreg`` is part of a config's identity, its compile options and its JSON (a
+    tuning cache written before it existed still reads: the key is optional)."""
+    a = Config(BK=64, num_warps=1, maxnreg=168)
+    assert a != Config(BK=64, num_warps=1) and a == Config(BK=64, num_warps=1, maxnreg=168)
+    assert a.options() == {"num_warps": 1, "num_stages": 2, "enable_fp_fusion": True,
+                           "maxnreg": 168}
+    assert a.launch_kwargs()["maxnreg"] == 168
+    assert Config.from_json(json.loads(json.dumps(a.to_json()))) == a
+    assert Config.from_json({"meta": {"BK": 64}, "num_warps": 1, "num_stages": 2}).maxnreg is None
+    assert str(a) == "Config(BK=64, num_warps=1, num_stages=2, maxnreg=168)"
+
+
 # A kernel built offline for sm_90 with a config's options; prints each warning's text.
 _OFFLINE_BUILD = """
 import warnings

@@ -48,6 +48,9 @@ from fla.utils.tuning import Config, tuned
 __all__ = ["chunk_gated_delta_rule_fwd_intra", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64  # four 16-row blocks: the block inverse is written out for this size
+# The WY kernel's register cap (see _default): 65536 / (12 programs x 32 threads), rounded
+# down to the allocation granule of 8.
+WY_MAX_REGISTERS = 168
 
 
 def _default(args) -> Config:
@@ -56,13 +59,21 @@ def _default(args) -> Config:
     # are shuffles, across warps barriers. Measured on H100 (Triton 3.6, bf16, K = 128,
     # B·T·H = 786K, with the Q Kᵀ strips then in this kernel): 1 warp 0.47 ms, 2 warps
     # 0.49, 4 warps 0.96, 8 warps 1.54.
-    return Config(BK=tile_width(args["K"], 64), num_warps=1, num_stages=2)
+    # Registers capped at 168 a thread: 12 programs an SM instead of the 10 that the
+    # compiler's free choice (~196) leaves, for the same code (Ai bit-identical). H200,
+    # Triton 3.6, bf16, 2026-11-28, ms uncapped -> 168: 1x8192x96x128 0.167 -> 0.152,
+    # 4x4096x64x128 0.214 -> 0.192, 2x16384x16x128 0.114 -> 0.103, 8x2048x32x256 0.149
+    # -> 0.134; 184 (11 an SM) gained 1-2%, 152 and 128 lost 7-20% (spills).
+    return Config(BK=tile_width(args["K"], 64), num_warps=1, num_stages=2,
+                  maxnreg=WY_MAX_REGISTERS)
 
 
 def _space(args) -> list[Config]:
     widths = sorted({tile_width(args["K"], bk) for bk in (32, 64)})
-    return [Config(BK=bk, num_warps=w, num_stages=s)
-            for bk in widths for w in (1, 2, 4) for s in (1, 2)]
+    configs = [Config(BK=bk, num_warps=w, num_stages=s)
+               for bk in widths for w in (1, 2, 4) for s in (1, 2)]
+    return configs + [Config(BK=bk, num_warps=1, num_stages=s, maxnreg=WY_MAX_REGISTERS)
+                      for bk in widths for s in (1, 2)]
 
 
 def _scores_default(args) -> Config:
