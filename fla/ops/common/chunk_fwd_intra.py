@@ -10,10 +10,10 @@ Per chunk and head, with g the per-token log decay and β the write strength:
     Ai  = (I + A)⁻¹                                        (the T⁻¹ of the UT transform)
 
 Two kernels, launched in that order: the scores kernel (γ and Aqk: one 64 x 64 product
-a chunk, several warps) and the WY kernel (Ai, one warp, reading γ back). They were one
-one-warp kernel until 2026-11-28; its Q Kᵀ strips held the register peak (255 a thread,
-192 without them) and took a third of its time (H200, bf16, 1x8192x96x128: 0.433 ms
-fused, 0.18 + ~0.13 apart).
+a chunk, two warps) and the WY kernel (Ai, one warp, reading γ back). They were one
+one-warp kernel until 2026-11-28, whose Q Kᵀ strips held its register peak (255 a
+thread, 192 without them) and a third of its time. H200, Triton 3.6, bf16,
+1x8192x96x128: 0.433 ms as one kernel, 0.148 (scores) + 0.152 (WY) apart.
 
 Nothing of size T·K or T·V is written: the state pass (``chunk_fwd_inter``) forms
 ``W·S`` and ``U`` as ``Ai·β(V − e^γ K S)`` on the fly. Compared with the staged forward

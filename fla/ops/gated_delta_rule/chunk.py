@@ -1,8 +1,8 @@
 """Chunked gated delta rule (training and prefill): the kernels chained with autograd.
 
-Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), two kernels:
+Forward, in chunks of 64 tokens (ALGORITHMS.md §1, chunked form), three kernels:
 
-    γ, Ai = (I + A)⁻¹, Aqk = Q Kᵀ ⊙ Γ (causal)     chunk_fwd_intra   (parallel over chunks)
+    γ, Aqk = Q Kᵀ ⊙ Γ (causal); Ai = (I + A)⁻¹     chunk_fwd_intra   (two, parallel over chunks)
     Vn = Ai β(V − e^γ K S), O, S' per chunk         chunk_fwd_inter   (sequential over chunks)
 
 with A = strict_lower(diag(β) K Kᵀ ⊙ Γ). The WY factors W, U, the per-chunk states h and
