@@ -180,7 +180,8 @@ def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
     from fla.ops.common.chunk_fwd_inter import (
         chunk_gated_delta_rule_fwd_inter, chunk_gated_delta_rule_fwd_inter_kernel)
     from fla.ops.common.chunk_fwd_intra import (
-        chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_intra_kernel)
+        chunk_fwd_scores_kernel, chunk_gated_delta_rule_fwd_intra,
+        chunk_gated_delta_rule_fwd_intra_kernel)
 
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
     beta = x["beta"] if delta else None
@@ -190,9 +191,11 @@ def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
         g_cum, Ai, Aqk = chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)
         if not delta and k.shape[-1] <= simple_gla_chunk.SCORES_IN_PASS_MAX_K:
             Aqk = None  # simple GLA's pass forms its scores itself there
+        intra = (lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta))
+        # Without the delta (simple GLA) only the scores kernel runs.
+        wy = ((chunk_gated_delta_rule_fwd_intra_kernel, intra),) if delta else ()
         for kernel, call in (
-                (chunk_gated_delta_rule_fwd_intra_kernel,
-                 lambda: chunk_gated_delta_rule_fwd_intra(q, k, g, beta, delta=delta)),
+                (chunk_fwd_scores_kernel, intra), *wy,
                 (chunk_gated_delta_rule_fwd_inter_kernel,
                  lambda: chunk_gated_delta_rule_fwd_inter(q, k, v, g_cum, beta, Ai, Aqk, scale,
                                                           segment_chunks=0))):
@@ -209,8 +212,9 @@ def sweep(x, quick: bool, only: str = "", delta: bool = True) -> dict:
             call()
             kernel.launch = original
             configs = kernel.candidates(seen["kw"])
-            if kernel is chunk_gated_delta_rule_fwd_intra_kernel and delta:
-                # Compiling this one takes seconds: the warps are what matters here.
+            if kernel is chunk_gated_delta_rule_fwd_intra_kernel:
+                # The WY kernel takes seconds to compile: its warps and register cap are
+                # what matters here.
                 configs = [c for c in configs if c.num_stages == 2 and c.meta["BK"] == 64]
             for config in configs:
                 def forced(grid, args, kwargs, config=config):

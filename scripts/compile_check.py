@@ -161,7 +161,7 @@ class OfflineCompiler:
         launch_args = {**named, **config.meta}
         sig, constexprs, attrs = signature_of(fn, launch_args)
         key = (tuned.name, repr(sorted(sig.items())), repr(sorted(constexprs.items(), key=str)),
-               repr(sorted(attrs)), config.num_warps, config.num_stages)
+               repr(sorted(attrs)), config.num_warps, config.num_stages, config.maxnreg)
         if key in self.seen:
             return
         self.seen.add(key)

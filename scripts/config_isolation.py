@@ -77,11 +77,11 @@ def parse_items(text: str) -> dict:
 
 
 def parse_config(text: str):
-    """``"BV=64,BK=128,num_warps=8,num_stages=2"`` -> that ``Config``."""
+    """``"BV=64,BK=128,num_warps=8,num_stages=2[,maxnreg=168]"`` -> that ``Config``."""
     from fla.utils.tuning import Config
 
     items = parse_items(text)
-    options = {n: items.pop(n) for n in ("num_warps", "num_stages") if n in items}
+    options = {n: items.pop(n) for n in ("num_warps", "num_stages", "maxnreg") if n in items}
     return Config(items, **options)
 
 

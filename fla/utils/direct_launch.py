@@ -163,7 +163,7 @@ class DirectLauncher:
     mapping of parameter names to values, the config's meta-parameters included; the
     parameters with defaults may be left out) on ``grid`` (a tuple, already evaluated);
     ``options`` are the launch options Triton takes as keywords (``num_warps``,
-    ``num_stages``).
+    ``num_stages``, ``enable_fp_fusion``, ``maxnreg``: :meth:`Config.options`).
 
     The tuning layer also keeps, per kernel, a map from the *caller's* arguments (those
     it passes, without the config's meta-parameters) to the config it was given and the

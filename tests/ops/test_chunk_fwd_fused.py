@@ -436,8 +436,8 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
                                     p["h0"], None)
     Ai_ref = ref_tinv(ref_kkt(p["k"], p["beta"], g_cum, None, 64), None, 64)
     stages = [
-        ("scores", chunk_fwd_scores_kernel, lambda: run_intra(p, True)[2:],
-         (ref_aqk(p["q"], p["k"], g_cum, None),), 1e-2),
+        ("scores", chunk_fwd_scores_kernel, lambda: run_intra(p, True)[0::2],
+         (p["gc"], ref_aqk(p["q"], p["k"], g_cum, None)), 1e-2),
         ("wy", chunk_gated_delta_rule_fwd_intra_kernel, lambda: run_intra(p, True)[1:2],
          (Ai_ref,), 1e-2),
         ("inter", chunk_gated_delta_rule_fwd_inter_kernel, lambda: run_inter(p, True, Ai, Aqk),

@@ -72,3 +72,17 @@ def test_dplr_defaults_fit_an_sm(K):
     assert len(builds) >= 5, stdout[-2000:]
     for name, programs, limit in builds:
         assert programs >= 1, f"K = {K}: {name} fits no program an SM ({limit})"
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_wy_kernel_fits_twelve_programs_an_sm(K):
+    """The delta rule's one-warp WY kernel (the chunks' (I + A)⁻¹) is capped at 168
+    registers a thread so that 12 programs share an SM (10 uncapped: 0.167 against
+    0.152 ms at 1x8192x96x128 on an H200); a change that drops the cap, or a Triton
+    that ignores it, shows here."""
+    stdout = _resources("gated_delta_rule", f"1x200x4x{K}", "fwd_intra_kernel")
+    builds = [(int(m[2]), m[3]) for m in map(FIT.match, stdout.splitlines())
+              if m and m[1] == "chunk_gated_delta_rule_fwd_intra_kernel"]
+    assert builds, stdout[-2000:]
+    for programs, limit in builds:
+        assert programs == 12, f"K = {K}: {programs} programs an SM ({limit})"

@@ -39,9 +39,9 @@ from fla.ops.utils.solve_tril import (
     unit_lower_inverse_blocks,
     unstack_blocks_4,
 )
-from fla.ops.utils.tiles import tile_width
-from fla.utils.grid import cdiv
 from fla.ops.common.chunk_scores import gate_causal_scores
+from fla.ops.utils.tiles import sixteen_bit, tile_width
+from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
@@ -59,11 +59,17 @@ def _default(args) -> Config:
     # are shuffles, across warps barriers. Measured on H100 (Triton 3.6, bf16, K = 128,
     # B·T·H = 786K, with the Q Kᵀ strips then in this kernel): 1 warp 0.47 ms, 2 warps
     # 0.49, 4 warps 0.96, 8 warps 1.54.
-    # Registers capped at 168 a thread: 12 programs an SM instead of the 10 that the
-    # compiler's free choice (~196) leaves, for the same code (Ai bit-identical). H200,
-    # Triton 3.6, bf16, 2026-11-28, ms uncapped -> 168: 1x8192x96x128 0.167 -> 0.152,
-    # 4x4096x64x128 0.214 -> 0.192, 2x16384x16x128 0.114 -> 0.103, 8x2048x32x256 0.149
-    # -> 0.134; 184 (11 an SM) gained 1-2%, 152 and 128 lost 7-20% (spills).
+    # 16-bit inputs: registers capped at 168 a thread, 12 programs an SM instead of the
+    # 10 that the compiler's free choice (~196) leaves, for a few spilled values (offline
+    # sm_90, Triton 3.9: 64-72 B of stack; Ai bit-identical). H200, Triton 3.6, bf16,
+    # 2026-11-28, ms uncapped -> 168: 1x8192x96x128 0.167 -> 0.152, 4x4096x64x128 0.214
+    # -> 0.192, 2x16384x16x128 0.114 -> 0.103, 8x2048x32x256 0.149 -> 0.134; 184 (11 an
+    # SM) gained 1-2%, 152 and 128 lost 7-20% (spills).
+    # fp32 inputs (tf32x3 dots, three products a dot) overflow the registers at any warp
+    # count; offline at K = 128 the least stack is BK = 32 uncapped (240 B, against 1.4
+    # KB at BK = 64 and 2.5 KB capped). Not timed on a GPU.
+    if not sixteen_bit(args):
+        return Config(BK=tile_width(args["K"], 32), num_warps=1, num_stages=2)
     return Config(BK=tile_width(args["K"], 64), num_warps=1, num_stages=2,
                   maxnreg=WY_MAX_REGISTERS)
 
@@ -80,6 +86,11 @@ def _scores_default(args) -> Config:
     # H200 (Triton 3.6, bf16, 2026-11-28), the space timed: 2 warps, 64-wide K tiles, two
     # stages at 1x8192x96x128 (0.148 ms against 0.157 at 4 warps, 0.219 at BK = 32) and
     # at 8x2048x32x256 (0.159 against 0.164).
+    # fp32 inputs: that config spills 6.5 KB a thread (offline sm_90, K = 128; the
+    # tf32x3 products hold three operand copies); 4 warps at BK = 32 keep 136 registers
+    # and no stack. Not timed on a GPU.
+    if not sixteen_bit(args):
+        return Config(BK=tile_width(args["K"], 32), num_warps=4, num_stages=2)
     return Config(BK=tile_width(args["K"], 64), num_warps=2, num_stages=2)
 
 
@@ -272,14 +283,14 @@ def chunk_gated_delta_rule_fwd_intra(
     NT = cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     g_cum = None if g is None else torch.empty(B, T, H, dtype=torch.float32, device=k.device)
     Aqk = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
-    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
+    shared = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K,
                   USE_G=g is not None, IS_VARLEN=cu_seqlens is not None,
                   DOT_PRECISION=dot_precision(k.dtype))
-    chunk_fwd_scores_kernel[(NT, B * H)](q=q, k=k, g=g, g_cum=g_cum, Aqk=Aqk, **varlen)
+    chunk_fwd_scores_kernel[(NT, B * H)](q=q, k=k, g=g, g_cum=g_cum, Aqk=Aqk, **shared)
     if not delta:
         return g_cum, None, Aqk
     # After the scores kernel, in stream order: it reads the γ that one stored.
     Ai = torch.empty(B, T, H, CHUNK_SIZE, dtype=k.dtype, device=k.device)
     chunk_gated_delta_rule_fwd_intra_kernel[(NT, B * H)](k=k, beta=beta, g_cum=g_cum, Ai=Ai,
-                                                         **varlen)
+                                                         **shared)
     return g_cum, Ai, Aqk

@@ -49,9 +49,10 @@ __all__ = ["chunk_simple_gla"]
 CHUNK_SIZE = 64
 # Up to this K the forward pass forms each chunk's 64 x 64 scores from its own Q and K
 # tiles (at most the pass's MAX_K_FORMING_SCORES: at K = 256 its four 64-row state tiles
-# leave no registers for them); above it the intra-chunk kernel writes Aqk first. H100,
-# 1x8192x96x128 bf16: forward 0.58 ms against 0.76 with the intra kernel (0 restores
-# that path everywhere).
+# leave no registers for them); above it the intra-chunk scores kernel writes Aqk first.
+# H100, 1x8192x96x128 bf16: forward 0.58 ms against 0.76 with the one-warp intra kernel
+# of that time (0 restores that path everywhere; not re-timed against the two-warp scores
+# kernel that replaced it on 2026-11-28).
 SCORES_IN_PASS_MAX_K = MAX_K_FORMING_SCORES
 # Without a backward to feed, above this K the forward stores each chunk's entering state
 # (``chunk_delta_h``, K and V in 64-wide tiles over many programs) and then computes every

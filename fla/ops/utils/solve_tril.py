@@ -187,11 +187,11 @@ def _invert_diagonal_blocks(A, stride, L, NB: tl.constexpr):
 
 
 def _default_config(args) -> Config:
-    # One warp: every step works on 16 x 16 tiles (8 values a thread), and the forward
-    # substitution and the small dots move data between layouts at each step, which
-    # costs a block-wide barrier per move with more warps. Measured on H100 (B=4,
-    # T=8192, H=32, fp32): BT=64 346 us at 1 warp, 555 at 2, 856 at 4; BT=16 90 / 272 /
-    # 330 us. Many small programs keep the SMs busy instead.
+    # One warp: every step works on 16 x 16 tiles (8 values a thread), and the small dots
+    # of the block merge move data between layouts, which costs a block-wide barrier per
+    # move with more warps (so did each substitution step until 2026-11-28). Measured on
+    # H100 before that change (B=4, T=8192, H=32, fp32): BT=64 346 us at 1 warp, 555 at
+    # 2, 856 at 4; BT=16 90 / 272 / 330 us. Many small programs keep the SMs busy.
     return Config(num_warps=1, num_stages=2)
 
 
