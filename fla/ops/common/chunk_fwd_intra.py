@@ -152,8 +152,9 @@ def chunk_fwd_scores_kernel(
 
     # One 64 x 64 product over K's tiles: a few warps hold the fp32 accumulator in 32
     # registers a thread or less (in one warp it cost all 255 and 16-row strips).
-    p_q = q + (row0 * H + i_h) * K + o_t[:, None] * (H * K)
-    p_k = k + (row0 * H + i_h) * K + o_t[:, None] * (H * K)
+    rows = (row0 * H + i_h) * K + o_t[:, None] * (H * K)  # the chunk's rows in q and k
+    p_q = q + rows
+    p_k = k + rows
     b_S = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
