@@ -139,9 +139,16 @@ def _default(args) -> Config:
     # chosen offline in between for having no spills (one program an SM). Re-timed
     # 2026-11-26 08:40 UTC: 0.98 ms. The space timed (11:45 UTC): at K = 64 one K tile,
     # BK = 64 at 4 warps, 0.826 ms (two stages 0.827; BK = 32 0.979); K = 128 keeps
-    # BK = 32 (not timed there).
-    width = 64 if args["K"] <= 64 else 32
-    return Config(BK=tile_width(args["K"], width), num_warps=4, num_stages=1)
+    # BK = 32 (not timed there). With bf16 operands (H200, 2026-11-28, the space timed):
+    # at K = 64 BK = 64 stays best (0.544 ms; two stages 0.540, BK = 32 0.74-0.79, 8 warps
+    # 1.03-1.25); at K = 128 (4x4096x16x128) one 128-wide tile, 0.552 ms against 0.708 at
+    # BK = 32 (BK = 64 0.583, 8 warps 0.79-1.12), though offline it keeps 728 B of stack
+    # a thread (255 registers). fp32 operands (fp16, fp32 inputs) keep the rule timed
+    # with them; above K = 128 nothing was timed with either.
+    K = args["K"]
+    if args["DT"] == tl.bfloat16 and K <= 128:
+        return Config(BK=tile_width(K, 128), num_warps=4, num_stages=1)
+    return Config(BK=tile_width(K, 64 if K <= 64 else 32), num_warps=4, num_stages=1)
 
 
 def _space(args) -> list[Config]:
