@@ -51,8 +51,10 @@ CHUNK_SIZE = 64
 # tiles (at most the pass's MAX_K_FORMING_SCORES: at K = 256 its four 64-row state tiles
 # leave no registers for them); above it the intra-chunk scores kernel writes Aqk first.
 # H100, 1x8192x96x128 bf16: forward 0.58 ms against 0.76 with the one-warp intra kernel
-# of that time (0 restores that path everywhere; not re-timed against the two-warp scores
-# kernel that replaced it on 2026-11-28).
+# of that time (0 restores that path everywhere). Re-timed against the two-warp scores
+# kernel that replaced it (H200, 2026-11-28, ``benchmarks.gdn_stages --family
+# simple_gla``): forward 0.454 ms against 0.517 at 1x8192x96x128, fwd+bwd 2.044 against
+# 2.093; 0.557 / 2.500 either way at 4x4096x64x128.
 SCORES_IN_PASS_MAX_K = MAX_K_FORMING_SCORES
 # Without a backward to feed, above this K the forward stores each chunk's entering state
 # (``chunk_delta_h``, K and V in 64-wide tiles over many programs) and then computes every
