@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from fla.ops.delta_rule import chunk_delta_rule
 from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule
-from tests.helpers import assert_rel_close, cu_seqlens_of, generator, odd_length, uneven_lengths
+from tests.helpers import (
+    TOLERANCE,
+    assert_rel_close,
+    cu_seqlens_of,
+    generator,
+    odd_length,
+    uneven_lengths,
+)
 from tests.ops.dplr_cases import INTERPRETER_DTYPES, compare, leaves, make_inputs, run
 
 OPS = {"chunk": chunk_dplr_delta_rule, "fused_recurrent": fused_recurrent_dplr_delta_rule}
@@ -198,23 +205,28 @@ def _sweep_launched_kernels(D, monkeypatch, fn, modules, kernels: int):
 
 
 @pytest.mark.interpret
-def test_forward_without_gradients_under_steep_gates(device, seed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d)[6:])
+def test_forward_without_gradients_under_steep_gates(dtype, device, seed):
     """Gates of −2.5 to −5 a step (the steepest the op documents): the state is mostly each chunk's last tokens, scaled by
     e^{γ_C − γ} with an exponent that must be exactly 0 at the last token. With sequences
     that end inside a chunk, γ_C taken as the scan's last row (rows past the end added as
     zeros, associated differently by a parallel scan) rather than the last token's row put
-    that exponent ulps of ~300 away from 0. Final state and output against float64."""
+    that exponent ulps of ~300 away from 0. Final state and output against float64. In
+    fp16 the intra-chunk kernel's gate-referenced operands reach e^{+40} (8 steps of −5)
+    there: past fp16's range, so that kernel's products must take fp32 operands."""
     from fla.ops.generalized_delta_rule import naive_recurrent_dplr_delta_rule
     gen = generator(seed)
     lengths = uneven_lengths(3, gen, low=40, high=160)
     cu = cu_seqlens_of(lengths)
     x = make_inputs(gen, B=1, T=sum(lengths), H=2, K=32, V=16, N=3)
     x["gk"] = -2.5 - 2.5 * torch.rand(x["gk"].shape, generator=gen, dtype=torch.float64)
+    x = {n: t.float() if n == "initial_state" else t.to(dtype) for n, t in x.items()}
     with torch.no_grad():
-        o, ht = chunk_dplr_delta_rule(**{n: t.float().to(device) for n, t in x.items()},
+        o, ht = chunk_dplr_delta_rule(**{n: t.to(device) for n, t in x.items()},
                                       output_final_state=True, cu_seqlens=cu.to(device))
         o_ref, ht_ref = naive_recurrent_dplr_delta_rule(
-            **{n: t.float().double() for n, t in x.items()}, output_final_state=True,
+            **{n: t.double() for n, t in x.items()}, output_final_state=True,
             cu_seqlens=cu)
-    assert_rel_close("final_state", ht, ht_ref, 1e-5)
-    assert_rel_close("o", o, o_ref, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    assert_rel_close("final_state", ht, ht_ref, tol)
+    assert_rel_close("o", o, o_ref, tol)
