@@ -158,6 +158,18 @@ DPLR_K128_MS = {
 }
 
 
+# The DPLR (RWKV7) forward intra-chunk kernel with bf16 dot operands (H200, Triton 3.6,
+# 2026-11-28, each whole space, no-grad forward): (BK, warps, stages), ms.
+DPLR_INTRA_BF16_MS = {
+    "4x4096x32x64": {(64, 4, 2): 0.5398, (64, 4, 1): 0.5442, (32, 4, 2): 0.7350,
+                     (32, 4, 1): 0.7867, (64, 8, 2): 1.0283, (64, 8, 1): 1.0290,
+                     (32, 8, 1): 1.2308, (32, 8, 2): 1.2494},
+    "4x4096x16x128": {(128, 4, 2): 0.5519, (128, 4, 1): 0.5520, (64, 4, 1): 0.5830,
+                      (64, 4, 2): 0.6116, (32, 4, 2): 0.6458, (32, 4, 1): 0.7076,
+                      (128, 8, 2): 0.7927, (128, 8, 1): 0.7933, (64, 8, 2): 0.9390,
+                      (64, 8, 1): 0.9938, (32, 8, 1): 1.1052, (32, 8, 2): 1.1201},
+}
+
 # The state passes' row tiles (BK = 64 or 128, ``state_row_heights``) with the rest of each
 # default's config held (H100, Triton 3.6, bf16, 2026-11-27; ms; the 4x4096x64x128,
 # 1x8192x96x128 "h" and 8x2048x32x256 "out" rows from `profile_case --tune`, the others
@@ -591,6 +603,18 @@ def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
     config = default(args)
     _follows_the_best(kernel, DPLR_K128_MS[kernel], config, space(args), _entry(kernel, config))
 
+
+
+def test_dplr_intra_default_with_bf16_operands_follows_the_measured_best():
+    """bf16 operands moved the best K tile at K = 128 from 32 (0.708 ms) to 128 (0.552)."""
+    import triton.language as tl
+    from fla.ops.common import chunk_dplr_fwd_intra as intra
+    for shape, times in DPLR_INTRA_BF16_MS.items():
+        D, _ = _dims(shape)
+        args = dict(K=D, q=BF16, DT=tl.bfloat16, PRECISION="tf32")
+        config = intra._default(args)
+        _follows_the_best(shape, times, config, intra._space(args),
+                          (config.meta["BK"], config.num_warps, config.num_stages))
 
 # The split's pieces without the delta (simple GLA at 2x16384x16x128; H100, Triton 3.6,
 # bf16, 2026-11-27, `profile_case --tune`): the transitions (BK, BV, warps, stages) and
