@@ -162,23 +162,53 @@ def compare(family: str, inputs: dict, dtype, device, gen, *, tol=None,
         if leaf is not None:
             if name in summed:
                 terms = summed_terms(fam, ref_leaves, summed[name], g_ref, do, dht, options)
+                # They are this gradient's terms: their sum is the reference gradient.
+                torch.testing.assert_close(terms.sum(dim=tuple(range(terms.dim() - 1))),
+                                           g_ref[name].to(terms), rtol=1e-9, atol=1e-9)
                 assert_sum_close(f"d{name}", grads[name], g_ref[name], terms, tol)
             else:
                 assert_rel_close(f"d{name}", grads[name], g_ref[name], tol)
 
 
-# Per-head parameters whose gradient is the sum over every token of another leaf's
-# gradient (dt_bias is added to dt: d dt_bias[h] = Σ_{b,t} d dt[b, t, h]). The terms
+def mamba2_decay_terms(ref_leaves, do, dht, options):
+    """The per-token terms of Mamba2's dA_h = Σ_{b,t} dt ∂L/∂(dt A_h): the float64 loop run
+    as simple GLA (q = C, k = B, v = dt·x, g = dt·A; fla/ops/mamba2/naive.py) with the
+    log decay g as its own leaf. ``[B, T, H]``."""
+    x = {n: t.detach() for n, t in ref_leaves.items() if t is not None}
+    dt = x["dt"] + x["dt_bias"] if "dt_bias" in x else x["dt"]
+    dt = F.softplus(dt) if options.get("dt_softplus") else dt
+    g = (dt * x["A"]).requires_grad_()
+    groups = x["x"].shape[2] // x["B"].shape[2]
+    k, q = (x[n].repeat_interleave(groups, dim=2) for n in ("B", "C"))
+    h0 = x["initial_states"].transpose(-1, -2) if "initial_states" in x else None
+    y, final = naive_recurrent_simple_gla(q, k, dt[..., None] * x["x"], g=g, scale=1.0,
+                                          initial_state=h0, output_final_state=True)
+    if "D" in x:
+        y = y + x["x"] * (x["D"][:, None] if x["D"].dim() == 1 else x["D"])
+    if "z" in x:
+        y = y * F.silu(x["z"])
+    loss = (y * do.to(y)).sum() + (final.transpose(-1, -2) * dht.to(y)).sum()
+    return dt * torch.autograd.grad(loss, g)[0]
+
+
+# Per-head parameters whose gradient is a sum over every token: of another leaf's
+# gradient (named; dt_bias is added to dt: d dt_bias[h] = Σ_{b,t} d dt[b, t, h]), or of
+# terms computed by a function of (reference leaves, do, dht, options). The terms
 # cancel, so the sum's relative error can exceed the terms' (9.7e-3 seen for Mamba2's
-# dt_bias with fp16 inputs up to 1e3, where d dt itself was within bounds; 1.7e-4 for
-# simple GLA's g_gamma in fp32): it is bounded by the size of the terms instead.
-SUMMED_OVER_TOKENS = {"mamba2": {"dt_bias": "dt"}, "simple_gla": {"g_gamma": "g"}}
+# dt_bias with fp16 inputs up to 1e3, where d dt itself was within bounds; 5.3e-3 for
+# its dA, whose terms summed to 0.62 and 72 with sizes 713 and 1460; 1.7e-4 for simple
+# GLA's g_gamma in fp32): it is bounded by the size of the terms instead.
+SUMMED_OVER_TOKENS = {"mamba2": {"dt_bias": "dt", "A": mamba2_decay_terms},
+                      "simple_gla": {"g_gamma": "g"}}
 
 
 def summed_terms(fam, ref_leaves, terms_name, g_ref, do, dht, options):
-    """The reference gradient of the per-token leaf ``terms_name`` whose sum over tokens
-    is a per-head gradient; when the call has no such leaf (simple GLA with g_gamma
-    alone), the reference runs again with it as a zero leaf (the same maths)."""
+    """The per-token terms whose sum over tokens is a per-head gradient: from a function
+    (see SUMMED_OVER_TOKENS), or the reference gradient of the per-token leaf
+    ``terms_name``; when the call has no such leaf (simple GLA with g_gamma alone), the
+    reference runs again with it as a zero leaf (the same maths)."""
+    if callable(terms_name):
+        return terms_name(ref_leaves, do, dht, options)
     if ref_leaves.get(terms_name) is not None:
         return g_ref[terms_name]
     like = ref_leaves[fam.out]
