@@ -17,6 +17,8 @@ from tests.helpers import (
     odd_length,
     uneven_lengths,
 )
+from tests.interpreter_bf16 import AVAILABLE as GPU_BF16_EMULATED
+from tests.interpreter_bf16 import gpu_bf16
 from tests.ops.dplr_cases import INTERPRETER_DTYPES, compare, leaves, make_inputs, run
 
 OPS = {"chunk": chunk_dplr_delta_rule, "fused_recurrent": fused_recurrent_dplr_delta_rule}
@@ -30,6 +32,24 @@ def test_matches_float64_loop(op, dtype, device, seed):
     T = odd_length(gen, low=65, high=140)           # more than one chunk, never a multiple
     compare(make_inputs(gen, B=2, T=T, H=1, K=16, V=32), dtype, device, fn=OPS[op], gen=gen,
             scale=0.7)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not GPU_BF16_EMULATED, reason="this Triton's interpreter differs")
+def test_chunk_bf16_with_the_gpus_rounding(device, seed):
+    """bf16 through every Triton stage, in the interpreter with the GPU's bf16 dots and
+    rounding (tests/interpreter_bf16.py): o, the final state and every gradient within
+    5e-3 of the float64 loop. The backward's gate gradient sums terms that cancel; with
+    bf16 operands each side's rounding must cancel too (it was 1.1e-2 before the intra
+    kernel formed its terms from the rounded pair products). K = 64: the intra kernels'
+    full-width tiles. (On the GPU: the real-shape tests.)"""
+    if device != "cpu":
+        pytest.skip("the interpreter's test; bf16 on the GPU runs at real shapes")
+    gen = generator(seed)
+    T = odd_length(gen, low=130, high=200)
+    with gpu_bf16():
+        compare(make_inputs(gen, B=1, T=T, H=2, K=64, V=32), torch.bfloat16, device,
+                fn=chunk_dplr_delta_rule, gen=gen, scale=1.0)
 
 
 @pytest.mark.interpret
