@@ -1,11 +1,13 @@
-"""The GPU's bf16 arithmetic in Triton's CPU interpreter, for tests.
+"""The GPU's 16-bit dot and cast arithmetic in Triton's CPU interpreter, for tests.
 
 The interpreter (see ``fla/utils/triton_facts.py``) multiplies the operands of a bf16
-``tl.dot`` as their uint16 storage, which gives garbage, and casts fp32 to bf16 by
-dropping the low bits. A GPU multiplies bf16 operands exactly, accumulating in fp32, and
-rounds a cast to the nearest even value. Inside :func:`gpu_bf16` the interpreter does as
-the GPU does, so a kernel's bf16 numerics (the rounding of its 16-bit operands and
-outputs; not the order of its sums) can be checked against the float64 loops on the CPU.
+``tl.dot`` as their uint16 storage, which gives garbage, casts fp32 to bf16 by dropping
+the low bits, and multiplies fp32 operands exactly where the GPU takes them at tf32
+(``input_precision="tf32"``). A GPU multiplies bf16 operands exactly, accumulating in
+fp32, rounds the fp32 operands of a tf32 dot to 10 mantissa bits, and rounds a cast to
+the nearest even value. Inside :func:`gpu_bf16` the interpreter does the same, so a
+kernel's 16-bit numerics (the rounding of its operands and outputs; not the order of
+its sums) can be checked against the float64 loops on the CPU.
 """
 from __future__ import annotations
 
@@ -36,6 +38,18 @@ def _exact_fp32(handle):
     return _HANDLE(bits.view(np.float32), tl.float32)
 
 
+def _as_tf32(handle, precision):
+    """An fp32 operand of a dot at input_precision tf32 rounded as the tensor cores take
+    it: 10 mantissa bits, to nearest (ties away from zero); other handles unchanged."""
+    if handle.dtype.scalar != tl.float32 or "TF32" not in str(precision).upper() or \
+            "X3" in str(precision).upper():
+        return handle
+    data = np.ascontiguousarray(handle.data, dtype=np.float32)
+    bits = data.view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return _HANDLE(np.where(np.isfinite(data), rounded, data), tl.float32)
+
+
 def _round_to_bf16(data: np.ndarray) -> np.ndarray:
     """fp32 values rounded to the nearest bf16 (ties to even), as uint16 storage."""
     bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -52,8 +66,9 @@ def gpu_bf16():
         raise RuntimeError("this Triton's interpreter has no create_dot / cast_impl")
     dot, cast = _BUILDER.create_dot, _BUILDER.cast_impl
 
-    def create_dot(self, a, b, d, *args):
-        return dot(self, _exact_fp32(a), _exact_fp32(b), d, *args)
+    def create_dot(self, a, b, d, precision, *args):
+        return dot(self, _as_tf32(_exact_fp32(a), precision), _as_tf32(_exact_fp32(b), precision),
+                   d, precision, *args)
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:

@@ -100,7 +100,8 @@ def warp_choices(stmatrix_prone: bool) -> tuple[int, ...]:
     aborts at 8 warps (``stmatrix_prone``: one of those the fact above names)."""
     return (2, 4) if stmatrix_prone and not WIDE_STMATRIX_8_WARPS_OK else (2, 4, 8)
 
-# In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it.
+# In the interpreter a bf16 ``tl.dot`` returns garbage (seen on 3.6-3.9): tests skip it,
+# or run inside tests/interpreter_bf16.py's ``gpu_bf16``, which does as the GPU does.
 INTERPRETER_BF16_DOT_IS_WRONG: bool = True
 
 # The interpreter's fp32 -> bf16 cast drops the low mantissa bits (round toward zero; seen
