@@ -39,10 +39,11 @@ def test_matches_float64_loop(op, dtype, device, seed):
 def test_chunk_bf16_with_the_gpus_rounding(device, seed):
     """bf16 through every Triton stage, in the interpreter with the GPU's bf16 dots and
     rounding (tests/interpreter_bf16.py): o, the final state and every gradient within
-    5e-3 of the float64 loop. The backward's gate gradient sums terms that cancel; with
-    bf16 operands each side's rounding must cancel too (it was 1.1e-2 before the intra
-    kernel formed its terms from the rounded pair products). K = 64: the intra kernels'
-    full-width tiles. (On the GPU: the real-shape tests.)"""
+    5e-3 of the float64 loop. The backward's gate gradient sums terms that cancel, which
+    rounded dot operands spoil unless each side's rounding cancels too (bf16 operands in
+    the backward intra kernel with its terms formed from the unrounded values: dgk
+    1.1e-2). K = 64: the intra kernels' full-width tiles. (On the GPU: the real-shape
+    tests.)"""
     if device != "cpu":
         pytest.skip("the interpreter's test; bf16 on the GPU runs at real shapes")
     gen = generator(seed)
