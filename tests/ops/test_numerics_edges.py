@@ -548,7 +548,7 @@ def test_fp16_inputs_up_to_1e3(family, large, device, seed):
 
 # --------------------------------------- 2b. bf16 in the interpreter, the GPU's arithmetic
 # The families whose every tensor stays within 5e-3 at these inputs with bf16 as the GPU
-# computes it (tests/interpreter_bf16.py), with room: the largest errors seen over ten
+# computes it (tests/interpreter_bf16.py), with room: the largest errors seen over 8-10
 # seeds were 2.5e-3 (retention), 2.8e-3 (GLA), 3.2e-3 (RWKV6), 3.4e-3 (simple GLA's dg),
 # 3.9e-3 (Mamba2), 3.6e-3 (RWKV7's db). Not the delta rules: at these inputs (unit-norm
 # queries, log decays down to −1) the delta rule's dk reaches 4.8e-3 and the gated one's
