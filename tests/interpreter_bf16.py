@@ -59,16 +59,16 @@ def _round_to_bf16(data: np.ndarray) -> np.ndarray:
 
 @contextlib.contextmanager
 def gpu_bf16():
-    """Within the block, the interpreter's bf16 dots and fp32 -> bf16 casts match the
-    GPU's (see the module docstring). Not thread-safe: it patches the interpreter's
-    builder class."""
+    """Within the block, the interpreter's bf16 and tf32 dots and its fp32 -> bf16 casts
+    match the GPU's (see the module docstring). Not thread-safe: it patches the
+    interpreter's builder class."""
     if not AVAILABLE:
         raise RuntimeError("this Triton's interpreter has no create_dot / cast_impl")
     dot, cast = _BUILDER.create_dot, _BUILDER.cast_impl
 
     def create_dot(self, a, b, d, precision, *args):
-        return dot(self, _as_tf32(_exact_fp32(a), precision), _as_tf32(_exact_fp32(b), precision),
-                   d, precision, *args)
+        a, b = (_as_tf32(_exact_fp32(x), precision) for x in (a, b))
+        return dot(self, a, b, d, precision, *args)
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
