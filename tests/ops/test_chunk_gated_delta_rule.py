@@ -213,6 +213,20 @@ def test_bf16_at_real_shapes_matches_float64_loop(D, seed):
 
 
 @pytest.mark.gpu
+def test_delta_rule_bf16_at_a_real_shape(seed):
+    """chunk_delta_rule (no gate: its state forgets nothing) in bf16 at (2, 1000, 4, 128)
+    against float64, every gradient. In the interpreter with the GPU's arithmetic
+    emulated, its dk reaches 5.1-5.4e-3 from T = 1000 on (o ~4e-3): the rounding of the
+    16-bit operands of both state passes accumulates (benchmarks/NOTES.md, 2026-11-28
+    15:11-). This measures it on the device."""
+    gen = generator(seed)
+    inputs = make_inputs(gen, B=2, T=1000, H=4, HV=4, K=128, V=128, gate=False)
+    inputs.pop("g")
+    compare(inputs, torch.bfloat16, "cuda", fn=chunk_delta_rule,
+            ref_fn=naive_recurrent_delta_rule, gen=gen)
+
+
+@pytest.mark.gpu
 def test_field_call_of_chunk_gated_delta_rule_fwd_h(seed):
     """The exact call of the field report (issue 3), checked against the PyTorch path."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
