@@ -41,6 +41,7 @@ from fla.ops.generalized_delta_rule import (
 )
 from fla.ops.gla import chunk_gla, naive_recurrent_gla
 from fla.ops.mamba2 import mamba_chunk_scan_combined, naive_ssd
+from fla.ops.mamba2.naive import prepare_ssd, skip_and_gate
 from fla.ops.retention import chunk_retention, naive_recurrent_retention
 from fla.ops.rwkv6 import chunk_rwkv6, naive_recurrent_rwkv6
 from fla.ops.rwkv7 import chunk_rwkv7, naive_recurrent_rwkv7
@@ -177,21 +178,17 @@ def compare(family: str, inputs: dict, dtype, device, gen, *, tol=None,
 
 def mamba2_decay_terms(ref_leaves, do, dht, options):
     """The per-token terms of Mamba2's dA_h = Σ_{b,t} dt ∂L/∂(dt A_h): the float64 loop run
-    as simple GLA (q = C, k = B, v = dt·x, g = dt·A; fla/ops/mamba2/naive.py) with the
-    log decay g as its own leaf. ``[B, T, H]``."""
+    as simple GLA (q = C, k = B, v = dt·x, g = dt·A; :func:`ssd_as_simple_gla`'s steps)
+    with the log decay g as its own leaf. ``[B, T, H]``."""
     x = {n: t.detach() for n, t in ref_leaves.items() if t is not None}
-    dt = x["dt"] + x["dt_bias"] if "dt_bias" in x else x["dt"]
-    dt = F.softplus(dt) if options.get("dt_softplus") else dt
-    g = (dt * x["A"]).requires_grad_()
-    groups = x["x"].shape[2] // x["B"].shape[2]
-    k, q = (x[n].repeat_interleave(groups, dim=2) for n in ("B", "C"))
+    xs, dt, A, B, C = prepare_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"], x.get("dt_bias"),
+                                  options.get("dt_softplus", False),
+                                  options.get("dt_limit", (0.0, float("inf"))))
+    g = (dt * A).requires_grad_()
     h0 = x["initial_states"].transpose(-1, -2) if "initial_states" in x else None
-    y, final = naive_recurrent_simple_gla(q, k, dt[..., None] * x["x"], g=g, scale=1.0,
+    y, final = naive_recurrent_simple_gla(C, B, dt[..., None] * xs, g=g, scale=1.0,
                                           initial_state=h0, output_final_state=True)
-    if "D" in x:
-        y = y + x["x"] * (x["D"][:, None] if x["D"].dim() == 1 else x["D"])
-    if "z" in x:
-        y = y * F.silu(x["z"])
+    y = skip_and_gate(y, xs, x.get("D"), x.get("z"))
     loss = (y * do.to(y)).sum() + (final.transpose(-1, -2) * dht.to(y)).sum()
     return dt * torch.autograd.grad(loss, g)[0]
 

@@ -604,7 +604,6 @@ def test_dplr_defaults_at_head_size_128_follow_the_measured_best(kernel):
     _follows_the_best(kernel, DPLR_K128_MS[kernel], config, space(args), _entry(kernel, config))
 
 
-
 def test_dplr_intra_default_with_bf16_operands_follows_the_measured_best():
     """bf16 operands moved the best K tile at K = 128 from 32 (0.708 ms) to 128 (0.552)."""
     import triton.language as tl
@@ -615,6 +614,7 @@ def test_dplr_intra_default_with_bf16_operands_follows_the_measured_best():
         config = intra._default(args)
         _follows_the_best(shape, times, config, intra._space(args),
                           (config.meta["BK"], config.num_warps, config.num_stages))
+
 
 # The split's pieces without the delta (simple GLA at 2x16384x16x128; H100, Triton 3.6,
 # bf16, 2026-11-27, `profile_case --tune`): the transitions (BK, BV, warps, stages) and

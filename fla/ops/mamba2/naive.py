@@ -14,7 +14,7 @@ from fla.ops.common.naive_loop import as_float64, run_sequences, scan
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
 
-def _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
+def prepare_ssd(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
     """float64 inputs; dt biased, softplus-ed, clamped; B, C expanded from groups to heads."""
     x, dt, A, B, C, dt_bias = (as_float64(t) for t in (x, dt, A, B, C, dt_bias))
     H, G = x.shape[2], B.shape[2]
@@ -30,7 +30,7 @@ def _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
     return x, dt, A, B, C
 
 
-def _skip_and_gate(y, x, D, z):
+def skip_and_gate(y, x, D, z):
     """``y + D·x``, then ``· silu(z)``."""
     if D is not None:
         D = as_float64(D)
@@ -62,7 +62,7 @@ def naive_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
         ``y [B, T, H, P]``, or ``(y, final_states [Ns, H, P, N])`` if ``return_final_states``;
         float64.
     """
-    x, dt, A, B, C = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+    x, dt, A, B, C = prepare_ssd(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
     H, P, N = x.shape[2], x.shape[3], B.shape[3]
 
     def recurrence(inputs, h):
@@ -77,7 +77,7 @@ def naive_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
 
     y, final = run_sequences(recurrence, (x, dt, B, C), initial_states, (H, P, N), cu_seqlens,
                              return_final_states)
-    y = _skip_and_gate(y, x, D, z)
+    y = skip_and_gate(y, x, D, z)
     return (y, final) if return_final_states else y
 
 
@@ -88,11 +88,11 @@ def ssd_as_simple_gla(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=
     scale = 1`` (the state is stored transposed, N×P, inside), plus the D skip and z gate.
     Same arguments, shapes and float64 returns as :func:`naive_ssd`.
     """
-    x, dt, A, B, C = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+    x, dt, A, B, C = prepare_ssd(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
     h0 = None if initial_states is None else as_float64(initial_states).transpose(-1, -2)
     y, final = naive_recurrent_simple_gla(C, B, dt[..., None] * x, g=dt * A, scale=1.0,
                                           initial_state=h0,
                                           output_final_state=return_final_states,
                                           cu_seqlens=cu_seqlens)
-    y = _skip_and_gate(y, x, D, z)
+    y = skip_and_gate(y, x, D, z)
     return (y, final.transpose(-1, -2)) if return_final_states else y
