@@ -96,7 +96,8 @@ def _diag_side(m11, m12, m21, m22, u, w, x1, x2, c, o_r, HALF: tl.constexpr,
     ``o1 = Σ (m11 û + m12 ŵ) ⊙ f_out``, ``o2 = Σ (m21 û + m22 ŵ) ⊙ f_out``, û = u ⊙ f_in,
     ŵ = w ⊙ f_in; and this side's terms of the gate's gradient, ``s1 = Σ x̂1 ⊙ (m11 û +
     m12 ŵ)``, ``s2 = Σ x̂2 ⊙ (m21 û + m22 ŵ)``, x̂ = x ⊙ f_out rounded as the other side's
-    operand is (see the module docstring). Row side (``ROWS``): the dA blocks (qk, qb,
+    operand is (see the module docstring; the column side returns s1 + s2 as s1, and
+    neither with fp32 operands). Row side (``ROWS``): the dA blocks (qk, qb,
     ak, ab), u, w = k, b, x1, x2 = q, a e^{−gk}, f_in = ey, f_out = ex: the (dq,
     d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}. Column side: the
     transposed blocks (qk, ak, qb, ab), u, w = q, a e^{−gk}, x1, x2 = k, b, f_in = ex,
@@ -115,8 +116,11 @@ def _diag_side(m11, m12, m21, m22, u, w, x1, x2, c, o_r, HALF: tl.constexpr,
         o1 += g1 * f_out
         o2 += g2 * f_out
         if DT != tl.float32:   # (fp32 operands: the caller forms x ⊙ o instead)
-            s1 += _as_operand(x1 * f_out, DT) * g1
-            s2 += _as_operand(x2 * f_out, DT) * g2
+            if ROWS:
+                s1 += _as_operand(x1 * f_out, DT) * g1
+                s2 += _as_operand(x2 * f_out, DT) * g2
+            else:   # one sum: the caller needs only s1 + s2
+                s1 += _as_operand(x1 * f_out, DT) * g1 + _as_operand(x2 * f_out, DT) * g2
     return o1, o2, s1, s2
 
 
@@ -248,8 +252,8 @@ def chunk_dplr_bwd_intra_kernel(
             term = s_q + x_q * p_q + ada
 
         b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra, H, BT, o_r, m_r, col, True)
-        dy_k, dy_b, s_k, s_b = _diag_side(b11, b12, b21, b22, x_q, x_ag, y_k, y_b, c, o_r,
-                                          HALF, False, DT, PRECISION)
+        dy_k, dy_b, s_ky, _ = _diag_side(b11, b12, b21, b22, x_q, x_ag, y_k, y_b, c, o_r,
+                                         HALF, False, DT, PRECISION)
         if i == 1:
             # Rows 0..31 as keys of the upper half's queries (the same dA blocks again).
             ey_o = tl.exp(r31[None, :] - c_lo)
@@ -259,14 +263,14 @@ def chunk_dplr_bwd_intra_kernel(
             dy_k += g_k * ey_o
             dy_b += g_b * ey_o
             if DT != tl.float32:
-                s_k += _as_operand(y_k * ey_o, DT) * g_k
-                s_b += _as_operand(y_b * ey_o, DT) * g_b
+                s_ky += (_as_operand(y_k * ey_o, DT) * g_k
+                         + _as_operand(y_b * ey_o, DT) * g_b)
         p_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
         p_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
         if DT == tl.float32:
             term -= y_k * (dy_k + p_k) + y_b * (dy_b + p_b)
         else:
-            term -= s_k + y_k * p_k + s_b + y_b * p_b
+            term -= s_ky + y_k * p_k + y_b * p_b
         b_dg = tl.cumsum(term, axis=0, reverse=True) + (carry + b_off)[None, :] - ada
         carry += tl.sum(term, axis=0)
         p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
