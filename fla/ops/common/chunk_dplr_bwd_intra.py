@@ -9,9 +9,19 @@ gx = γ⁻; gy = γ) and its gradient dA::
 
 through the same gate-referenced factors as the forward (the diagonal 32×32 blocks as
 two dots referenced at tokens 7 and 23 of the block, the off-diagonal block at γ_31):
-every product a ``tl.dot`` with fp32 accumulation, its operands in fp32 at tf32 for
-16-bit inputs (bf16 operands put dgk's relative error at 1.1e-2 on the GPU, over the
-5e-3 bound: its sum cancels) and at full precision for fp32 inputs.
+every product a ``tl.dot`` with fp32 accumulation, its operands in bf16 for bf16 inputs,
+in fp32 at tf32 for fp16 inputs (a gated operand's exponent reaches past fp16's range
+at the steepest documented gates) and at full precision for fp32 inputs.
+
+The gate's gradient below sums x⊙dx − y⊙dy over tokens, in which the products of every
+pair (t, s) inside the summed range cancel: only the pairs straddling it remain. With
+rounded operands, x_t ⊙ dx_t and y_s ⊙ dy_s would each carry the other side's rounding
+of the pair, and the cancelled mass its error (dgk 1.1e-2 against float64 with bf16
+operands, over the 5e-3 bound). So with 16-bit operands each side forms its intra-chunk
+terms from the products of the rounded operands exactly as the other side's dot takes
+them, Σ_p x̂⁽ᵖ⁾ ⊙ (dA ŷ⁽ᵖ⁾) with x̂⁽ᵖ⁾ = x ⊙ e^{γ − r_p} rounded, so that every pair
+cancels to fp32 accumulation (dgk 3.2e-3, RWKV7-like inputs, the interpreter with
+bf16 dots and rounding emulated).
 
 One program per (chunk, head, BK columns of K); the partial gradients of
 :mod:`fla.ops.common.chunk_dplr_bwd_local` are added, and with the complete fp32
@@ -26,6 +36,7 @@ dq, dk, da, db and dgk are written in their inputs' dtypes.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -65,34 +76,52 @@ def _mm(x, y, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _pair(m11, m12, m21, m22, u, w, f, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """``((m11 u + m12 w) ⊙ f, (m21 u + m22 w) ⊙ f)``: two gradients through four score
-    blocks sharing their operands."""
-    return ((_mm(m11, u, DT, PRECISION) + _mm(m12, w, DT, PRECISION)) * f,
-            (_mm(m21, u, DT, PRECISION) + _mm(m22, w, DT, PRECISION)) * f)
+def _pair(m11, m12, m21, m22, u, w, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """``(m11 u + m12 w, m21 u + m22 w)``: two gradients through four score blocks sharing
+    their operands, before their output factor."""
+    return (_mm(m11, u, DT, PRECISION) + _mm(m12, w, DT, PRECISION),
+            _mm(m21, u, DT, PRECISION) + _mm(m22, w, DT, PRECISION))
 
 
 @triton.jit
-def _diag_side(m11, m12, m21, m22, u, w, c, o_r, HALF: tl.constexpr, ROWS: tl.constexpr,
-               DT: tl.constexpr, PRECISION: tl.constexpr):
+def _as_operand(x, DT: tl.constexpr):
+    """``x`` rounded as :func:`_mm` rounds its operands (to DT), back in fp32."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _diag_side(m11, m12, m21, m22, u, w, x1, x2, c, o_r, HALF: tl.constexpr,
+               ROWS: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
     """One side's gradients through a diagonal block, summed over its two dots:
-    ``((m11 û + m12 ŵ) ⊙ f_out, (m21 û + m22 ŵ) ⊙ f_out)``, û = u ⊙ f_in, ŵ = w ⊙ f_in.
-    Row side (``ROWS``): the dA blocks (qk, qb, ak, ab), u, w = k, b, f_in = ey, f_out =
-    ex: the (dq, d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}. Column side:
-    the transposed blocks (qk, ak, qb, ab), u, w = q, a e^{−gk}, f_in = ex, f_out = ey:
-    the (dk, db) contributions Σ_t dA[t,s] x_t e^{γ_t − γ_s}."""
+    ``o1 = Σ (m11 û + m12 ŵ) ⊙ f_out``, ``o2 = Σ (m21 û + m22 ŵ) ⊙ f_out``, û = u ⊙ f_in,
+    ŵ = w ⊙ f_in; and this side's terms of the gate's gradient, ``s1 = Σ x̂1 ⊙ (m11 û +
+    m12 ŵ)``, ``s2 = Σ x̂2 ⊙ (m21 û + m22 ŵ)``, x̂ = x ⊙ f_out rounded as the other side's
+    operand is (see the module docstring; the column side returns s1 + s2 as s1, and
+    neither with fp32 operands). Row side (``ROWS``): the dA blocks (qk, qb,
+    ak, ab), u, w = k, b, x1, x2 = q, a e^{−gk}, f_in = ey, f_out = ex: the (dq,
+    d(a e^{−gk})) contributions Σ_s dA[t,s] y_s e^{γ_t − γ_s}. Column side: the
+    transposed blocks (qk, ak, qb, ab), u, w = q, a e^{−gk}, x1, x2 = k, b, f_in = ex,
+    f_out = ey: the (dk, db) contributions Σ_t dA[t,s] x_t e^{γ_t − γ_s}."""
     o1 = tl.zeros_like(u)
     o2 = tl.zeros_like(u)
+    s1 = tl.zeros_like(u)
+    s2 = tl.zeros_like(u)
     for part in tl.static_range(2):
         ex, ey = diag_factor_pair(c, o_r, HALF, part == 1)
         if ROWS:
             f_in, f_out = ey, ex
         else:
             f_in, f_out = ex, ey
-        g1, g2 = _pair(m11, m12, m21, m22, u * f_in, w * f_in, f_out, DT, PRECISION)
-        o1 += g1
-        o2 += g2
-    return o1, o2
+        g1, g2 = _pair(m11, m12, m21, m22, u * f_in, w * f_in, DT, PRECISION)
+        o1 += g1 * f_out
+        o2 += g2 * f_out
+        if DT != tl.float32:   # (fp32 operands: the caller forms x ⊙ o instead)
+            if ROWS:
+                s1 += _as_operand(x1 * f_out, DT) * g1
+                s2 += _as_operand(x2 * f_out, DT) * g2
+            else:   # one sum: the caller needs only s1 + s2
+                s1 += _as_operand(x1 * f_out, DT) * g1 + _as_operand(x2 * f_out, DT) * g2
+    return o1, o2, s1, s2
 
 
 @triton.jit
@@ -130,12 +159,12 @@ def _blocks(dAqk, dAqb, dAak, dAab, row0, H: tl.constexpr, BT: tl.constexpr, o_r
 
 @triton.jit
 def _finish(x, dx_part, dx, row, H: tl.constexpr, K: tl.constexpr, o_r, m_r, o_k, m_k):
-    """Add the partial gradient, store in dx's dtype; returns the fp32 gradient."""
+    """Add the partial gradient, store the sum in dx's dtype; returns the partial."""
     p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
     m = m_r[:, None] & m_k[None, :]
-    total = x + tl.load(dx_part + p, mask=m, other=0.0)
-    tl.store(dx + p, total.to(dx.dtype.element_ty), mask=m)
-    return total
+    part = tl.load(dx_part + p, mask=m, other=0.0)
+    tl.store(dx + p, (x + part).to(dx.dtype.element_ty), mask=m)
+    return part
 
 
 @tuned(key=["K", "q", "DT", "PRECISION"], default=_default, space=_space)
@@ -188,10 +217,11 @@ def chunk_dplr_bwd_intra_kernel(
         b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra, H, BT, o_r, m_r, col, False)
         y_k = load_rows(k, row, H, K, o_r, m_r, o_k, m_k)
         y_b = load_rows(b, row, H, K, o_r, m_r, o_k, m_k)
-        dx_q, dx_a = _diag_side(b11, b12, b21, b22, y_k, y_b, c, o_r, HALF, True, DT,
-                                PRECISION)
         x_q = load_rows(q, row, H, K, o_r, m_r, o_k, m_k)
         x_a = load_rows(a, row, H, K, o_r, m_r, o_k, m_k)
+        x_ag = x_a * e_g
+        dx_q, dx_a, s_q, s_a = _diag_side(b11, b12, b21, b22, y_k, y_b, x_q, x_ag, c, o_r,
+                                          HALF, True, DT, PRECISION)
         if i == 0:
             # Rows 32..63 through the lower half's keys; their gated queries kept for
             # the lower half's keys.
@@ -201,31 +231,46 @@ def chunk_dplr_bwd_intra_kernel(
             bo = load_rows(b, r_lo, H, K, o_r, m_lo, o_k, m_k) * ey_o
             b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra_hi, H, BT, o_r, m_hi, 0,
                                          False)
-            g_q, g_a = _pair(b11, b12, b21, b22, ko, bo, ex_o, DT, PRECISION)
-            dx_q += g_q
-            dx_a += g_a
+            g_q, g_a = _pair(b11, b12, b21, b22, ko, bo, DT, PRECISION)
             qo = (x_q * ex_o).to(DT)
-            ao = (x_a * e_g * ex_o).to(DT)
-        t_q = _finish(dx_q, pq, dq, row, H, K, o_r, m_r, o_k, m_k)
-        t_a = _finish(dx_a * e_g, pa, da, row, H, K, o_r, m_r, o_k, m_k)
-        ada = x_a * t_a
-        term = x_q * t_q + ada
+            ao = (x_ag * ex_o).to(DT)
+            dx_q += g_q * ex_o
+            dx_a += g_a * ex_o
+            if DT != tl.float32:
+                s_q += qo.to(tl.float32) * g_q
+                s_a += ao.to(tl.float32) * g_a
+        p_q = _finish(dx_q, pq, dq, row, H, K, o_r, m_r, o_k, m_k)
+        p_a = _finish(dx_a * e_g, pa, da, row, H, K, o_r, m_r, o_k, m_k)
+        # a ⊙ da and the rows' terms of the gate's gradient: with 16-bit operands the
+        # intra-chunk part as the products of the rounded operands (s_q, s_a), the
+        # partial gradients' (through the states) in fp32.
+        if DT == tl.float32:
+            ada = x_a * (dx_a * e_g + p_a)
+            term = x_q * (dx_q + p_q) + ada
+        else:
+            ada = s_a + x_a * p_a
+            term = s_q + x_q * p_q + ada
 
         b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra, H, BT, o_r, m_r, col, True)
-        dy_k, dy_b = _diag_side(b11, b12, b21, b22, x_q, x_a * e_g, c, o_r, HALF, False, DT,
-                                PRECISION)
+        dy_k, dy_b, s_ky, _ = _diag_side(b11, b12, b21, b22, x_q, x_ag, y_k, y_b, c, o_r,
+                                         HALF, False, DT, PRECISION)
         if i == 1:
             # Rows 0..31 as keys of the upper half's queries (the same dA blocks again).
             ey_o = tl.exp(r31[None, :] - c_lo)
             b11, b12, b21, b22 = _blocks(dAqk, dAqb, dAak, dAab, ra_hi, H, BT, o_r, m_hi, 0,
                                          True)
-            g_k, g_b = _pair(b11, b12, b21, b22, qo, ao, ey_o, DT, PRECISION)
-            dy_k += g_k
-            dy_b += g_b
-        t_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
-        t_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
-        term -= (load_rows(k, row, H, K, o_r, m_r, o_k, m_k) * t_k
-                 + load_rows(b, row, H, K, o_r, m_r, o_k, m_k) * t_b)
+            g_k, g_b = _pair(b11, b12, b21, b22, qo, ao, DT, PRECISION)
+            dy_k += g_k * ey_o
+            dy_b += g_b * ey_o
+            if DT != tl.float32:
+                s_ky += (_as_operand(y_k * ey_o, DT) * g_k
+                         + _as_operand(y_b * ey_o, DT) * g_b)
+        p_k = _finish(dy_k, pk, dk, row, H, K, o_r, m_r, o_k, m_k)
+        p_b = _finish(dy_b, pb, db, row, H, K, o_r, m_r, o_k, m_k)
+        if DT == tl.float32:
+            term -= y_k * (dy_k + p_k) + y_b * (dy_b + p_b)
+        else:
+            term -= s_ky + y_k * p_k + y_b * p_b
         b_dg = tl.cumsum(term, axis=0, reverse=True) + (carry + b_off)[None, :] - ada
         carry += tl.sum(term, axis=0)
         p = row + o_r[:, None].to(tl.int64) * (H * K) + o_k[None, :]
@@ -245,5 +290,5 @@ def chunk_dplr_bwd_intra(q, k, a, b, gk, dA, grads, off, out, cu_seqlens=None,
     chunk_dplr_bwd_intra_kernel[lambda meta: (NT, B * H, cdiv(K, meta["BK"]))](
         q, k, a, b, gk, *dA, *grads, off, *out, cu_seqlens, chunk_indices, chunk_offsets, T,
         H=H, K=K, BT=chunk_size, HALF=HALF, IS_VARLEN=cu_seqlens is not None,
-        **dot_args(q.dtype, wide=True))
+        **dot_args(q.dtype, wide=q.dtype != torch.bfloat16))
     return out
