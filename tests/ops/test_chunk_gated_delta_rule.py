@@ -213,12 +213,16 @@ def test_bf16_at_real_shapes_matches_float64_loop(D, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known gap (issue 3): dk 5.43e-3 > 5e-3 on the H200, 2026-11-28")
 def test_delta_rule_bf16_at_a_real_shape(seed):
     """chunk_delta_rule (no gate: its state forgets nothing) in bf16 at (2, 1000, 4, 128)
-    against float64, every gradient. In the interpreter with the GPU's arithmetic
-    emulated, its dk reaches 5.1-5.4e-3 from T = 1000 on (o ~4e-3): the rounding of the
-    16-bit operands of both state passes accumulates (benchmarks/NOTES.md, 2026-11-28
-    15:11-). This measures it on the device."""
+    against float64, every gradient. Measured on the H200 (Triton 3.6, 2026-11-28): dk
+    5.43e-3 over the 5e-3 bound at two seeds (o 3.8e-3, dq 4.2e-3, dβ 4.5e-3), as the
+    interpreter's emulation of the GPU's arithmetic predicted: the rounding of the 16-bit
+    operands of both state passes accumulates. A backward in fp32 with tf32 dots gave dk
+    2.6e-3 at 4x the time; the fix is open (benchmarks/NOTES.md, 2026-11-28 17:34-).
+    Strict: once the kernels meet the bound this fails until the mark goes."""
     gen = generator(seed)
     inputs = make_inputs(gen, B=2, T=1000, H=4, HV=4, K=128, V=128, gate=False)
     inputs.pop("g")
