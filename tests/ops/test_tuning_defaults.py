@@ -495,7 +495,8 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
     split 1.01, 8x2048x32x256 1.47; 4x2048x16x128 staged). 2x16384x16x128 took the staged
     pass unsplit (0.73 against 0.55) until its forward split (2026-11-28): from the
     forward's segment states its recompute is 0.29 + 0.13 ms (profile_case), and the
-    op's fwd+bwd went 3.278 -> 3.171 ms."""
+    op's fwd+bwd went 3.278 -> 3.171 ms. In 16 bits the forward's pass everywhere (the
+    staged pass's 16-bit U and W cost the bound; fla/ops/gated_delta_rule/chunk.py)."""
     from fla.ops.common import chunk_segments
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
     from fla.utils import grid
@@ -507,6 +508,8 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
         B, T, H, D = (int(x) for x in shape.split("x"))
         k = torch.empty(B, T, H, D, device="meta")
         assert gdn_chunk._states_from_the_forward_pass(k, k, None) is from_pass, shape
+        k = k.to(torch.bfloat16)
+        assert gdn_chunk._states_from_the_forward_pass(k, k, None), shape
 
 
 def test_reverse_pass_launcher_passes_the_grid_hint_with_the_vector_gate(monkeypatch):

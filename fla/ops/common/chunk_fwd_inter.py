@@ -82,6 +82,7 @@ from fla.ops.utils.state_tiles import (
     store_state_tiles,
 )
 from fla.ops.utils.tiles import check_buffer, sixteen_bit, state_row_heights, tile_width
+from fla.ops.utils.two_term import two_term_dot
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -137,6 +138,13 @@ def _default(args) -> Config:
                           num_warps=8, num_stages=2)
         return Config(BV=tile_width(args["V"], 32),
                       BK=tile_width(args["K"], 64 if few else 128), num_warps=4, num_stages=2)
+    if args.get("TWO_TERM") and args.get("STATES_ONLY", False):
+        # The backward's states pass with two-term dots (16-bit delta rules): every
+        # 64-column config spilled offline (72-320 B of stack at 1x8192x96x128, Triton 3.9,
+        # sm_90; the one-term default 0), every 32-column one but one did not (184-242
+        # registers at 64 rows). Untimed on a GPU (benchmarks/NOTES.md, 2026-11-28 19:15-).
+        return Config(BV=tile_width(args["V"], 32), BK=tile_width(args["K"], 64),
+                      num_warps=4, num_stages=3)
     if args["DELTA"] and args["TRANSITION"]:
         # The delta's transitions ([M | X], K + V columns, no Q tiles): 64 columns over
         # 64 rows and three stages. H100, Triton 3.6, bf16, 1x65536x8x128 (15 of 16
@@ -196,17 +204,18 @@ def _space(args) -> list[Config]:
 @triton.jit
 def _state_tile_dots(k, q, p_qk, m_tk, b_h, b_ks, b_qs, b_qk, WITH_K: tl.constexpr,
                      WITH_Q: tl.constexpr, WITH_QK: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """K S and/or Q S accumulated over one BK-row tile of the state (16-bit operands),
-    and with ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels; also returns the
-    K tile (for the state update) when one was loaded."""
+                     DOT_PRECISION: tl.constexpr, TWO_TERM: tl.constexpr):
+    """K S and/or Q S accumulated over one BK-row tile of the state (16-bit operands;
+    with ``TWO_TERM`` K S takes S as two, see ``fla.ops.utils.two_term``), and with
+    ``WITH_QK`` the chunk's Q Kᵀ over the same 64 channels; also returns the K tile (for
+    the state update) when one was loaded."""
     b_hc = b_h.to(k.dtype.element_ty)
     if WITH_K or WITH_QK:
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.)
     else:
         b_k = tl.zeros([1, 1], dtype=k.dtype.element_ty)  # not loaded: the caller reloads
     if WITH_K:
-        b_ks = tl.dot(b_k, b_hc, b_ks, input_precision=DOT_PRECISION)
+        b_ks = two_term_dot(b_k, b_h, b_ks, TWO_TERM, DOT_PRECISION)
     if WITH_Q or WITH_QK:
         b_q = tl.load(q + p_qk, mask=m_tk, other=0.)
     if WITH_Q:
@@ -294,7 +303,7 @@ def entering_state(h0, transitions, seg_decay, seg_offsets, i_n, row, i_h, H, o_
 
 
 @tuned(key=["K", "V", "k", "h0", "SPLIT", "TRANSITION", "DELTA", "FORM_AQK", "STORE_AQK",
-            "FEW_PROGRAMS", "STATES_ONLY"],
+            "FEW_PROGRAMS", "STATES_ONLY", "TWO_TERM"],
        default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_fwd_inter_kernel(
@@ -305,6 +314,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     DELTA: tl.constexpr, FORM_AQK: tl.constexpr, STORE_AQK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FEW_PROGRAMS: tl.constexpr,
     h=None, v_new=None, chunk_offsets=None, STATES_ONLY: tl.constexpr = False,
+    TWO_TERM: tl.constexpr = False,
     transitions=None, seg_offsets=None, entry_out=None, CHAIN: tl.constexpr = False,
     STORE_ENTRY: tl.constexpr = False,
 ):
@@ -386,22 +396,23 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         b_ks, b_qs, b_qk, b_k1 = _state_tile_dots(k, q, p_qk, m_tk, b_h1, b_ks, b_qs, b_qk,
-                                                  DELTA, for_out, form_qk, DOT_PRECISION)
+                                                  DELTA, for_out, form_qk, DOT_PRECISION,
+                                                  TWO_TERM)
         if K > BK:
             m_tk = m_t[:, None] & (BK + o_k < K)[None, :]
             b_ks, b_qs, b_qk, b_k2 = _state_tile_dots(k, q, p_qk + BK, m_tk, b_h2, b_ks, b_qs,
                                                       b_qk, DELTA, for_out, form_qk,
-                                                      DOT_PRECISION)
+                                                      DOT_PRECISION, TWO_TERM)
         if K > 2 * BK:
             m_tk = m_t[:, None] & (2 * BK + o_k < K)[None, :]
             b_ks, b_qs, b_qk, b_k3 = _state_tile_dots(k, q, p_qk + 2 * BK, m_tk, b_h3, b_ks,
                                                       b_qs, b_qk, DELTA, for_out, form_qk,
-                                                      DOT_PRECISION)
+                                                      DOT_PRECISION, TWO_TERM)
         if K > 3 * BK:
             m_tk = m_t[:, None] & (3 * BK + o_k < K)[None, :]
             b_ks, b_qs, b_qk, b_k4 = _state_tile_dots(k, q, p_qk + 3 * BK, m_tk, b_h4, b_ks,
                                                       b_qs, b_qk, DELTA, for_out, form_qk,
-                                                      DOT_PRECISION)
+                                                      DOT_PRECISION, TWO_TERM)
 
         p_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
@@ -419,9 +430,14 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
             b_beta = tl.load(beta + (row0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
             if USE_G:
                 b_ks *= b_eg[:, None]
-            b_r = ((b_v - b_ks) * b_beta[:, None]).to(k.dtype.element_ty)
-            b_vn = tl.dot(load_chunk_rows(Ai + p_tt, m_t, m_tt), b_r,
-                          input_precision=DOT_PRECISION)
+            b_r = (b_v - b_ks) * b_beta[:, None]
+            if not TWO_TERM:
+                # One term: rounded here, before Ai's tile loads (rounded at the dot, the
+                # forward spilled 48 B more, offline at 1x8192x96x128).
+                b_r = b_r.to(k.dtype.element_ty)
+            b_vn = two_term_dot(load_chunk_rows(Ai + p_tt, m_t, m_tt), b_r,
+                                tl.zeros([BT, BV], dtype=tl.float32), TWO_TERM,
+                                DOT_PRECISION)
         else:
             b_vn = b_v
         if STATES_ONLY and DELTA:
@@ -455,35 +471,36 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                 b_log_decay += b_g_last
             b_h1, b_h2, b_h3, b_h4 = decay_state_tiles(b_h1, b_h2, b_h3, b_h4,
                                                        tl.exp(b_g_last), K, BK)
-        b_vn = b_vn.to(k.dtype.element_ty)
+        if not TWO_TERM:
+            b_vn = b_vn.to(k.dtype.element_ty)    # one term: rounded once for every K tile
 
         # S += Kᵀ Vn. Where this step loaded K's tiles already (for K S or Q Kᵀ), their
         # transposes: reading K again as [BK, BT] tiles cost the delta rule's pass at
         # K = 128 16 KB more of shared memory (its pipelined copies), one program an SM
         # instead of two. The transitions without the delta load K only here.
         if DELTA or form_qk:
-            b_h1 = tl.dot(tl.trans(b_k1), b_vn, b_h1, input_precision=DOT_PRECISION)
+            b_h1 = two_term_dot(tl.trans(b_k1), b_vn, b_h1, TWO_TERM, DOT_PRECISION)
             if K > BK:
-                b_h2 = tl.dot(tl.trans(b_k2), b_vn, b_h2, input_precision=DOT_PRECISION)
+                b_h2 = two_term_dot(tl.trans(b_k2), b_vn, b_h2, TWO_TERM, DOT_PRECISION)
             if K > 2 * BK:
-                b_h3 = tl.dot(tl.trans(b_k3), b_vn, b_h3, input_precision=DOT_PRECISION)
+                b_h3 = two_term_dot(tl.trans(b_k3), b_vn, b_h3, TWO_TERM, DOT_PRECISION)
             if K > 3 * BK:
-                b_h4 = tl.dot(tl.trans(b_k4), b_vn, b_h4, input_precision=DOT_PRECISION)
+                b_h4 = two_term_dot(tl.trans(b_k4), b_vn, b_h4, TWO_TERM, DOT_PRECISION)
         else:
             p_kt = k + (row0 * H + i_h) * K + o_k[:, None] + o_t[None, :] * (H * K)
-            b_h1 = tl.dot(tl.load(p_kt, mask=(o_k < K)[:, None] & m_t[None, :], other=0.),
-                          b_vn, b_h1, input_precision=DOT_PRECISION)
+            b_h1 = two_term_dot(tl.load(p_kt, mask=(o_k < K)[:, None] & m_t[None, :],
+                                        other=0.), b_vn, b_h1, TWO_TERM, DOT_PRECISION)
             if K > BK:
                 b_kt = tl.load(p_kt + BK, mask=(BK + o_k < K)[:, None] & m_t[None, :], other=0.)
-                b_h2 = tl.dot(b_kt, b_vn, b_h2, input_precision=DOT_PRECISION)
+                b_h2 = two_term_dot(b_kt, b_vn, b_h2, TWO_TERM, DOT_PRECISION)
             if K > 2 * BK:
                 b_kt = tl.load(p_kt + 2 * BK, mask=(2 * BK + o_k < K)[:, None] & m_t[None, :],
                                other=0.)
-                b_h3 = tl.dot(b_kt, b_vn, b_h3, input_precision=DOT_PRECISION)
+                b_h3 = two_term_dot(b_kt, b_vn, b_h3, TWO_TERM, DOT_PRECISION)
             if K > 3 * BK:
                 b_kt = tl.load(p_kt + 3 * BK, mask=(3 * BK + o_k < K)[:, None] & m_t[None, :],
                                other=0.)
-                b_h4 = tl.dot(b_kt, b_vn, b_h4, input_precision=DOT_PRECISION)
+                b_h4 = two_term_dot(b_kt, b_vn, b_h4, TWO_TERM, DOT_PRECISION)
 
     if STORE_FINAL_STATE:
         if SPLIT and not TRANSITION:
@@ -569,6 +586,7 @@ def chunk_gated_delta_rule_fwd_inter(
     return_segment_states: bool = False,
     lead_chunks: int | None = 0,
     return_segment_maps: bool = False,
+    two_term: bool = False,
 ):
     """The sequential pass over chunks, producing the output (inputs validated,
     time-major and contiguous by the op's entry point).
@@ -615,6 +633,9 @@ def chunk_gated_delta_rule_fwd_inter(
             the reverse pass's maps are their transposes
             (:func:`fla.ops.common.chunk_delta_h_bwd.chunk_gated_delta_rule_bwd_dhu`'s
             ``segment_maps``).
+        two_term: the recurrence's dots (K S, Ai·r, Kᵀ Vn) take their fp32 operand as
+            two 16-bit tiles (``fla.ops.utils.two_term``): ~16 mantissa bits of S and Vn
+            instead of 8, at twice those dots' work. Ignored for fp32 inputs.
 
     Returns:
         ``(o, final_state)``: ``o [B, T, H, V]`` in v's dtype (None with
@@ -662,7 +683,8 @@ def chunk_gated_delta_rule_fwd_inter(
                   USE_G=g_cum is not None, IS_VARLEN=varlen,
                   DELTA=Ai is not None, FORM_AQK=form_scores,
                   STORE_AQK=form_scores and scores_out is not None,
-                  DOT_PRECISION=dot_precision(k.dtype))
+                  DOT_PRECISION=dot_precision(k.dtype),
+                  TWO_TERM=two_term and k.dtype != torch.float32)
     kernel = chunk_gated_delta_rule_fwd_inter_kernel
     if segment_chunks is None:
         segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,

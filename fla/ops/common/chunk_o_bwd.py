@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.ops.utils.two_term import two_term_dot_lhs
 from fla.utils import triton_facts
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
@@ -163,16 +164,18 @@ def _dqkwg_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
 
 
-@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W"], default=_dqkwg_default,
+@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM"], default=_dqkwg_default,
        space=_dqkwg_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
     q, k, v_new, w, g, h, dv2, do, dh, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, TWO_TERM: tl.constexpr = False,
 ):
     """One program per (K tile, chunk, batch·head); the V dimension is looped over.
+    With ``TWO_TERM`` the score gradient enters its two dots (dQ's and dK's in-chunk
+    terms) as two 16-bit tiles (``fla.ops.utils.two_term``).
 
     K is split across programs (BK fixed by the launcher, not tuned) so each program's dγ
     is a partial sum over its K tile, written to its own slice ``dg[i_k]``.
@@ -242,9 +245,9 @@ def chunk_bwd_dqkwg_kernel(
         b_ds *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     else:
         b_dq *= scale
-    b_ds = tl.where(m_A, b_ds * scale, 0.).to(dt)
-    b_dq += tl.dot(b_ds, b_k.to(dt), input_precision=DOT_PRECISION)
-    b_dk += tl.dot(tl.trans(b_ds), b_q.to(dt), input_precision=DOT_PRECISION)
+    b_ds = tl.where(m_A, b_ds * scale, 0.)
+    b_dq = two_term_dot_lhs(b_ds, b_k.to(dt), b_dq, TWO_TERM, DOT_PRECISION)
+    b_dk = two_term_dot_lhs(tl.trans(b_ds), b_q.to(dt), b_dk, TWO_TERM, DOT_PRECISION)
     tl.store(dq + k_off, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + k_off, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
@@ -272,6 +275,8 @@ def chunk_bwd_dqkwg(
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
     dg_parts: bool = False,
+    two_term: bool = False,
+    dk_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of q, k, w and γ through O and the state update, per chunk.
 
@@ -296,10 +301,15 @@ def chunk_bwd_dqkwg(
         dg_parts: return dg unsummed, ``[NK, B, T, H]`` with one partial sum per 64-wide
             K tile (NK = ceil(K / 64)), for ``chunk_local_cumsum_fwd(..., sum_parts=True)``
             to add as it loads them.
+        two_term: the in-chunk score gradient scale·(dO Vnᵀ ⊙ Γ) enters dQ's and dK's
+            dots as two 16-bit tiles (``fla.ops.utils.two_term``); ignored for fp32.
+        dk_dtype: dk's dtype (default k's): float32 where a later stage adds its own
+            part (``prepare_wy_repr_bwd``'s ``dk_acc``), so that dk is rounded once.
 
     Returns:
-        ``(dq, dk, dw, dg)``: dq, dk in k's dtype and dw in w's dtype ``[B, T, H, K]`` (dk is
-        only the part through O and S'; the WY stage adds the rest); dg ``[B, T, H]`` float32
+        ``(dq, dk, dw, dg)``: dq in k's dtype, dk in ``dk_dtype`` (default k's), dw in w's
+        dtype, each ``[B, T, H, K]`` (dk is only the part through O and S'; the WY stage
+        adds the rest); dg ``[B, T, H]`` float32
         (``[NK, B, T, H]`` with ``dg_parts``) is ∂L/∂γ per token through these terms (None
         when g is None). The caller adds the WY stage's dγ and applies a reverse
         chunk-local cumsum to get the raw gate's gradient.
@@ -321,7 +331,7 @@ def chunk_bwd_dqkwg(
     BK = tile_width(K, 64)
     NK = cdiv(K, BK)
     dq = torch.empty_like(k)
-    dk = torch.empty_like(k)
+    dk = torch.empty_like(k, dtype=k.dtype if dk_dtype is None else dk_dtype)
     dw = None if w is None else torch.empty_like(w)
     dg = torch.empty(NK, B, T, H, dtype=torch.float32, device=k.device) if g is not None else None
     chunk_bwd_dqkwg_kernel[(NK, NT, B * H)](
@@ -329,6 +339,7 @@ def chunk_bwd_dqkwg(
         dg=dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
         H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+        TWO_TERM=two_term and k.dtype != torch.float32,
     )
     if dg is not None:
         if not dg_parts:

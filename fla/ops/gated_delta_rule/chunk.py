@@ -81,7 +81,13 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     thin grid feels: 0.60 + 0.13 against 0.24 + 0.31 at 2x16384x16x128 unsplit. So: where
     some SM holds two programs, or where the pass would split few long sequences into
     segments, which the staged pass cannot (from the forward's segment states,
-    1x65536x8x128 and 2x16384x16x128 each ~0.29 + 0.13 ms on H100, 2026-11-28)."""
+    1x65536x8x128 and 2x16384x16x128 each ~0.29 + 0.13 ms on H100, 2026-11-28).
+    And always for 16-bit inputs: the staged pass rounds U and W to 16 bits before
+    Vn = U − W S cancels them, which two-term dots cannot undo (emulated at T ~ 1000,
+    1x1000x2x64 with the backward's two-term dots: dk 4.84e-3 and, the gated rule at
+    weak decays, dg 5.99e-3 against 3.97e-3 and 4.54e-3 from the forward's pass)."""
+    if k.dtype != torch.float32:
+        return True
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = B if offsets is None else len(offsets) - 1
@@ -90,14 +96,27 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
 
 def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initial_state,
               cu_seqlens, chunk_indices, offsets, do, dht, scale, g_dtype):
-    """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors."""
+    """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors.
+
+    16-bit inputs: with bf16 operands alone the delta rule's gradients missed the 5e-3
+    bound (dk 5.43e-3 at 2x1000x4x128 on the H200; the gated rule at weak decays alike, in
+    the interpreter's emulation of the GPU's arithmetic). So the states are recomputed by
+    the forward's pass (never the staged one, see ``_states_from_the_forward_pass``),
+    which with the score gradient in dqkwg and the WY stage's dA chain takes its fp32
+    operands as two 16-bit tiles (``fla.ops.utils.two_term``), and dqkwg's part of dk
+    stays fp32 until the WY part is added (one rounding, not two). Emulated, 1x1000x2x64: dk 5.28e-3
+    -> 3.99e-3 (the recomputed pass alone 4.62e-3, with the fp32 partial 4.30e-3; the
+    reverse pass two-term too 3.75e-3, left out: the sequential pass gains least);
+    benchmarks/NOTES.md, 2026-11-28 19:15-.
+    """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    two_term = k.dtype != torch.float32
     if _states_from_the_forward_pass(k, v, offsets):
         h, v_new = state_buffers(k, v, offsets, cu_seqlens is not None)
         chunk_gated_delta_rule_fwd_inter(None, k, v, g_cum, beta, A, None, scale,
                                          initial_state, cu_seqlens=cu_seqlens,
                                          offsets=offsets, states_out=(h, v_new),
-                                         segment_states=segment_states)
+                                         segment_states=segment_states, two_term=two_term)
         # W for the reverse pass's Wᵀ dVn. (Formed there from Ai and K instead, the pass
         # took 1.04 ms against 0.69 at 1x8192x96x128 on H100, more than W costs here.)
         w, _ = recompute_w_u_fwd(k, v, beta, A, g_cum, with_u=False, **varlen)
@@ -112,12 +131,13 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
         segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
         offsets=offsets, segment_maps=segment_maps, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
-                                     chunk_size=CHUNK_SIZE, **varlen)
+                                     chunk_size=CHUNK_SIZE, two_term=two_term,
+                                     dk_dtype=torch.float32, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
     del h, v_new, dh, w
-    # The WY part of dk and dγ is added into dqkwg's (this step's own buffers) in place.
+    # The WY part of dk and dγ is added to dqkwg's as the WY stage reads them (dγ in place).
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, dk_acc=dk,
-                                            dg_acc=dg, **varlen)
+                                            dg_acc=dg, two_term=two_term, **varlen)
     if g_cum is not None:
         # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
         dg = chunk_local_cumsum_fwd(dg, CHUNK_SIZE, reverse=True,
