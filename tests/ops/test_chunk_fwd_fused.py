@@ -448,6 +448,37 @@ def test_every_tuning_config_of_the_fused_forward(seed, monkeypatch, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_every_tuning_config_of_the_two_term_states_pass(seed, monkeypatch, D):
+    """The 16-bit delta rules' backward recomputes h and Vn with the forward's pass on
+    two-term dots (``two_term``, its own defaults): every config of that space compiles
+    and stores them within bf16 rounding of the float64 staged pass, at K = V = D."""
+    from fla.ops.common.chunk_torch import (chunk_gated_delta_rule_fwd_h_torch,
+                                            recompute_w_u_fwd_torch)
+    gen = generator(seed)
+    p = make_problem(gen, "cuda", B=2, T=200, H=2, K=D, V=D, dtype=torch.bfloat16)
+    Ai = ref_tinv(ref_kkt(p["k"], p["beta"], p["gc"], p["offsets"], 64), p["offsets"], 64)
+    k64, v64, b64, gc64 = (p[n].to(F64) for n in ("k", "v", "beta", "gc"))
+    w, u = recompute_w_u_fwd_torch(k64, v64, b64, Ai, gc64, p["offsets"], 64)
+    h_ref, vn_ref, _ = chunk_gated_delta_rule_fwd_h_torch(
+        k64, w, u, gc64, p["h0"].to(F64), False, p["offsets"], 64)
+    h = torch.empty(h_ref.shape, dtype=torch.bfloat16, device="cuda")
+    v_new = torch.empty_like(p["v"])
+
+    def states():
+        chunk_gated_delta_rule_fwd_inter(
+            None, p["k"], p["v"], f32(p["gc"]), p["beta"], Ai.to(torch.bfloat16), None, 1.0,
+            p["h0"], cu_seqlens=p["cu_seqlens"], offsets=p["offsets"], segment_chunks=0,
+            states_out=(h, v_new), two_term=True)
+        return h.clone(), v_new.clone()
+
+    stages = [("states", chunk_gated_delta_rule_fwd_inter_kernel, states, (h_ref, vn_ref),
+               1e-2)]
+    failures = sweep_configs(monkeypatch, stages, min_configs=2)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
 def test_lead_split_at_a_real_shape(seed, monkeypatch):
     """Where the GPU's launch model takes the lead split (96 heads over one 8K-token
     sequence on an H100), simple GLA's bf16 forward and final state equal the unsplit

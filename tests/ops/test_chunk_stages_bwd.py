@@ -536,13 +536,15 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
         scale=scale, segment_chunks=segment_chunks,
         offsets=None if cu is None else cu.tolist(), **varlen)
+    # As the op does: in 16 bits two-term dots and dk's partial in fp32, the WY part
+    # added to dqkwg's dk and dγ as it reads them.
+    two_term = dtype != torch.float32
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
-        scale=scale, **varlen)
-    # As the op does: the WY part added into dqkwg's dk and dγ in place.
+        scale=scale, two_term=two_term, dk_dtype=torch.float32, **varlen)
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(
         dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], dk_acc=dk,
-        dg_acc=dg, **varlen)
+        dg_acc=dg, two_term=two_term, **varlen)
     dg = local_cumsum(dg.to(F64), seqs, reverse=True)
     return (dq, dk, dv, dg, dbeta, dh0), o
 
