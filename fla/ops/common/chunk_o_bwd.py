@@ -164,8 +164,8 @@ def _dqkwg_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
 
 
-@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM"], default=_dqkwg_default,
-       space=_dqkwg_space)
+@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM"],
+       default=_dqkwg_default, space=_dqkwg_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
     q, k, v_new, w, g, h, dv2, do, dh, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T,
@@ -246,6 +246,8 @@ def chunk_bwd_dqkwg_kernel(
     else:
         b_dq *= scale
     b_ds = tl.where(m_A, b_ds * scale, 0.)
+    if not TWO_TERM:
+        b_ds = b_ds.to(dt)    # one term: rounded once, for both dots
     b_dq = two_term_dot_lhs(b_ds, b_k.to(dt), b_dq, TWO_TERM, DOT_PRECISION)
     b_dk = two_term_dot_lhs(tl.trans(b_ds), b_q.to(dt), b_dk, TWO_TERM, DOT_PRECISION)
     tl.store(dq + k_off, b_dq.to(dq.dtype.element_ty), mask=m_tk)

@@ -104,10 +104,10 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     the forward's pass (never the staged one, see ``_states_from_the_forward_pass``),
     which with the score gradient in dqkwg and the WY stage's dA chain takes its fp32
     operands as two 16-bit tiles (``fla.ops.utils.two_term``), and dqkwg's part of dk
-    stays fp32 until the WY part is added (one rounding, not two). Emulated, 1x1000x2x64: dk 5.28e-3
-    -> 3.99e-3 (the recomputed pass alone 4.62e-3, with the fp32 partial 4.30e-3; the
-    reverse pass two-term too 3.75e-3, left out: the sequential pass gains least);
-    benchmarks/NOTES.md, 2026-11-28 19:15-.
+    stays fp32 until the WY part is added (one rounding, not two). Emulated at
+    1x1000x2x64: dk 5.28e-3 -> 3.99e-3 (the recomputed pass alone 4.62e-3, with the
+    fp32 partial 4.30e-3; the reverse pass on two terms too 3.75e-3, left out: the
+    sequential pass gains least); benchmarks/NOTES.md, 2026-11-28 19:15-.
     """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     two_term = k.dtype != torch.float32

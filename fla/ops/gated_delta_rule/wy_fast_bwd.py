@@ -147,6 +147,8 @@ def prepare_wy_repr_bwd_kernel(
         b_dAA = b_dAk * b_beta[:, None]   # dA ⊙ A
         b_dgv = tl.sum(b_dAA, axis=1) - tl.sum(b_dAA, axis=0)
     b_dM = b_dA * b_beta[:, None]
+    if not TWO_TERM:
+        b_dM = b_dM.to(dt)    # one term: rounded once, outside the K loop
 
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
