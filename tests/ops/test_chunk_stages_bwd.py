@@ -302,6 +302,48 @@ def test_bwd_dhu_split_into_segments_equals_the_whole_walk(varlen, use_g, use_w,
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("segment_chunks", [0, 1], ids=["whole", "split"])
+def test_bwd_dhu_stores_dh_as_scaled_fp16(segment_chunks, device, seed):
+    """With ``dh_scale`` dh comes back in fp16, each chunk's block (per program: all K
+    rows, a tile of columns) divided by a power of two that puts its largest |value| in
+    (2^13, 2^14]: every block keeps ~11 significant bits whatever its size. dh ·
+    dh_scale equals the unscaled pass's fp32 dh to fp16's rounding, over blocks of very
+    different sizes (a steep and a weak decay), and a sequence whose gradients are all
+    zero keeps zeros (its blocks' factor stays finite)."""
+    gen = generator(seed)
+    lengths = [150, 130]
+    B, T, N, cu = packed_or_batch(lengths, True)
+    offsets = cu.tolist()
+    H, K, V = 2, 32, 32
+    seqs, _ = chunk_layout(B, T, offsets)
+    q, k, w = (randn((B, T, H, K), gen) for _ in range(3))
+    do, dv = (randn((B, T, H, V), gen) for _ in range(2))
+    do[:, 150:], dv[:, 150:] = 0, 0                  # the second sequence: dh ≡ 0
+    gam = local_cumsum(log_gate((B, T, H), gen).to(F64), seqs).float()
+    gam[..., 1] *= 8                                  # head 1: steep decays, small blocks
+    args = [to_dev(x, device) for x in (q, k, w, gam, None, None, do, dv)]
+    common = dict(scale=0.5, cu_seqlens=to_dev(cu, device), offsets=offsets,
+                  segment_chunks=segment_chunks)
+    dh_ref, _, dv2_ref = chunk_gated_delta_rule_bwd_dhu(*args, **common)
+    NT = dh_ref.shape[1]
+    dh_scale = torch.empty(B, NT, H, V, dtype=torch.float32, device=device)
+    dh, _, dv2 = chunk_gated_delta_rule_bwd_dhu(*args, dh_scale=dh_scale, **common)
+    assert dh.dtype == torch.float16 and torch.isfinite(dh_scale).all()
+    assert torch.equal(dv2, dv2_ref)
+    exponent = torch.log2(dh_scale)
+    assert torch.equal(exponent, exponent.round()), "the factors are powers of two"
+    restored = dh.double() * dh_scale.double()[:, :, :, None, :]
+    assert_rel_close("dh", restored, dh_ref.double(), 2.0 ** -11)
+    zero_chunks = slice(-(-150 // BT), NT)
+    assert (dh[:, zero_chunks] == 0).all()
+    # Per chunk and head (V = 32: one column tile a program), over the first sequence's
+    # chunks but its last (whose leaving gradient is the absent dht: zeros).
+    peak = dh.double().abs().amax(dim=(3, 4))
+    live = peak[:, : -(-150 // BT) - 1]
+    assert ((live > 2.0 ** 13) & (live <= 2.0 ** 14)).all()
+
+
+@pytest.mark.interpret
 def test_bwd_dhu_split_refuses_what_it_cannot_address(device):
     """A split reverse pass needs the host offsets of packed sequences and has no vector
     gate form: both are refused before any launch. (On the kernel's device: a CPU tensor
@@ -508,6 +550,7 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
     ``segment_chunks`` chunks when nonzero); returns (dq, dk, dv, dg, dbeta, dh0) and o."""
     dtype = q.dtype
     B, T, H, K = k.shape
+    V = v.shape[-1]
     q64, k64, v64, b64 = (rounded64(x) for x in (q, k, v, beta))
     gam = local_cumsum(g.to(F64), seqs)
     gam32 = gam.float()
@@ -532,16 +575,19 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
     varlen = dict(cu_seqlens=dev["cu"], chunk_indices=dev["ci"])
     dv_local = chunk_bwd_dv_local(dev["q"], dev["k"], dev["do"], g=dev["g"], scale=scale,
                                   **varlen)
+    # As the op does: in 16 bits dh stored as scaled fp16, two-term dots and dk's partial
+    # in fp32, the WY part added to dqkwg's dk and dγ as it reads them.
+    two_term = dtype != torch.float32
+    dh_scale = (torch.empty(*dev["h"].shape[:3], V, dtype=torch.float32,
+                            device=dev["h"].device) if two_term else None)
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
         scale=scale, segment_chunks=segment_chunks,
-        offsets=None if cu is None else cu.tolist(), **varlen)
-    # As the op does: in 16 bits two-term dots and dk's partial in fp32, the WY part
-    # added to dqkwg's dk and dγ as it reads them.
-    two_term = dtype != torch.float32
+        offsets=None if cu is None else cu.tolist(), dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
-        scale=scale, two_term=two_term, dk_dtype=torch.float32, **varlen)
+        scale=scale, two_term=two_term, dk_dtype=torch.float32, dh_scale=dh_scale,
+        **varlen)
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(
         dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], dk_acc=dk,
         dg_acc=dg, two_term=two_term, **varlen)

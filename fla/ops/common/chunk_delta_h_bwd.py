@@ -98,6 +98,15 @@ def _dhu_default(args) -> Config:
         return Config(BV=tile_width(args["V"], 64 if wide else 32), BK=bk, num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
+    if args.get("DH_SCALED") and args["USE_W"] and not thin:
+        # dh stored scaled (a max over dS and a scaled copy a chunk): at 64 columns, 4
+        # warps and three stages it spilled 112-136 B offline (1x8192x96x128, Triton 3.9,
+        # sm_90; 0-96 B unscaled), at 8 warps and three stages not (227-229 registers),
+        # nor at 4 warps and two (242-248). Untimed on a GPU (benchmarks/NOTES.md,
+        # 2026-11-28 19:15-).
+        eight = 8 in warp_choices(stmatrix_prone=True)
+        return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=8 if eight else 4,
+                      num_stages=3 if eight else 2)
     # (8 warps only where this Triton builds them: see _dhu_space.)
     warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
     return Config(BV=tile_width(args["V"], 32 if thin else 64), BK=bk,
@@ -155,7 +164,7 @@ def _gk_query_tile(b_q, gq, p_g, m, scale, dt, GATED: tl.constexpr):
 
 @tuned(key=["k", "K", "V", "BT", "USE_G", "USE_W", "LOCAL_FROM_AQK", "USE_INITIAL_STATE",
              "USE_FINAL_STATE_GRADIENT", "USE_GK", "GQ_EXCLUSIVE", "GATED_OPERANDS",
-             "FEW_PROGRAMS", "SPLIT", "TRANSITION", "X_ONLY"],
+             "FEW_PROGRAMS", "SPLIT", "TRANSITION", "X_ONLY", "DH_SCALED"],
        default=_dhu_default, space=_dhu_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_gated_delta_rule_bwd_dhu_kernel(
@@ -169,6 +178,7 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     GATED_OPERANDS: tl.constexpr = False, FEW_PROGRAMS: tl.constexpr = 0,
     segments=None, seg_state=None, seg_decay=None, SPLIT: tl.constexpr = False,
     TRANSITION: tl.constexpr = False, X_ONLY: tl.constexpr = False,
+    dh_scale=None, DH_SCALED: tl.constexpr = False,
 ):
     """One program per (column tile, sequence·head) walks its sequence's chunks backwards.
     ``FEW_PROGRAMS`` (:func:`fla.utils.grid.grid_fill`) is read by the tuning layer only.
@@ -188,6 +198,11 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
     the combine reading M from the forward's maps instead.
     :func:`fla.ops.common.chunk_state_combine.combine_segment_states` then turns the
     transitions into each segment's leaving gradient and dh0.
+
+    With ``DH_SCALED`` dh is fp16 scaled per chunk and program: each chunk's [K, BV]
+    block is stored divided by 2^(e − 14), 2^e ≥ its largest |value|, and that factor
+    is written to ``dh_scale [B, NT, H, V]`` (fp32, per column): 11 significant bits
+    for bf16's 8 at the same bytes (``chunk_bwd_dqkwg_kernel`` reads it back).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_p, i_h = i_nh // H, i_nh % H
@@ -252,16 +267,34 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if not TRANSITION:
             # dh[chunk] = ∂L/∂(state leaving the chunk), what chunk_bwd_dqkwg pairs with Vn.
             p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_v[None, :]
-            tl.store(p_dh + o_k1[:, None] * V, b_dh1.to(dh.dtype.element_ty),
+            if DH_SCALED:
+                # The block's largest |value| (rows past K and columns past V hold 0), as
+                # max(max, −min): no |dS| tile beside dS's own registers.
+                b_max = tl.maximum(tl.max(b_dh1), -tl.min(b_dh1))
+                if K > BK:
+                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh2), -tl.min(b_dh2)))
+                if K > 2 * BK:
+                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh3), -tl.min(b_dh3)))
+                if K > 3 * BK:
+                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh4), -tl.min(b_dh4)))
+                # A power of two (exact to apply and undo); 1e-30 keeps an all-zero
+                # block's factor finite.
+                b_exp = tl.ceil(tl.log2(tl.maximum(b_max, 1e-30)))
+                b_inv = tl.exp2(14.0 - b_exp)
+                tl.store(dh_scale + ((boh + i_t) * H + i_h) * V + o_v,
+                         tl.zeros([BV], dtype=tl.float32) + tl.exp2(b_exp - 14.0), mask=m_v)
+            else:
+                b_inv = 1.0
+            tl.store(p_dh + o_k1[:, None] * V, (b_dh1 * b_inv).to(dh.dtype.element_ty),
                      mask=m_k1[:, None] & m_v[None, :])
             if K > BK:
-                tl.store(p_dh + o_k2[:, None] * V, b_dh2.to(dh.dtype.element_ty),
+                tl.store(p_dh + o_k2[:, None] * V, (b_dh2 * b_inv).to(dh.dtype.element_ty),
                          mask=m_k2[:, None] & m_v[None, :])
             if K > 2 * BK:
-                tl.store(p_dh + o_k3[:, None] * V, b_dh3.to(dh.dtype.element_ty),
+                tl.store(p_dh + o_k3[:, None] * V, (b_dh3 * b_inv).to(dh.dtype.element_ty),
                          mask=m_k3[:, None] & m_v[None, :])
             if K > 3 * BK:
-                tl.store(p_dh + o_k4[:, None] * V, b_dh4.to(dh.dtype.element_ty),
+                tl.store(p_dh + o_k4[:, None] * V, (b_dh4 * b_inv).to(dh.dtype.element_ty),
                          mask=m_k4[:, None] & m_v[None, :])
 
         o_t = i_t * BT + tl.arange(0, BT)
@@ -477,6 +510,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     segment_chunks: int = 0,
     offsets: list[int] | None = None,
     segment_maps: torch.Tensor | None = None,
+    dh_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state pass: per-chunk state gradients, ``initial_state``'s gradient and dVn.
 
@@ -518,10 +552,15 @@ def chunk_gated_delta_rule_bwd_dhu(
             map is the transpose of its forward map M, so the transitions then run on
             the X columns alone (half the columns at K = V) and the combine reads M
             from these, transposed.
+        dh_scale: a ``[B, NT, H, V]`` float32 buffer (contiguous): dh is then returned
+            in fp16, each chunk's block scaled by a power of two written here per column
+            (``chunk_bwd_dqkwg``'s ``dh_scale`` reads it back): 11 significant bits
+            instead of bf16's 8 at the same bytes. No vector gate.
 
     Returns:
         ``(dh, dh0, dv2)``:
-        dh ``[B, NT, H, K, V]`` in k's dtype, ``dh[:, c]`` = ∂L/∂S' for the state S' *leaving*
+        dh ``[B, NT, H, K, V]`` in k's dtype (fp16 with ``dh_scale``: dh / dh_scale),
+        ``dh[:, c]`` = ∂L/∂S' for the state S' *leaving*
         chunk c (the adjoint the reverse pass carries into chunk c; what
         ``chunk_bwd_dqkwg`` needs); with ``cu_seqlens`` B = 1 and NT counts the chunks of
         all sequences;
@@ -550,7 +589,11 @@ def chunk_gated_delta_rule_bwd_dhu(
         N, NT = B, cdiv(T, BT)
     if dht is not None:
         dht = dht.contiguous()
-    dh = k.new_empty(B, NT, H, K, V)
+    if dh_scale is not None:
+        if vector_gate:
+            raise ValueError("dh_scale: not with a vector gate")
+        check_buffer("dh_scale", dh_scale, (B, NT, H, V), torch.float32, k.device)
+    dh = k.new_empty(B, NT, H, K, V, dtype=k.dtype if dh_scale is None else torch.float16)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if h0 is not None else None
     dv2 = torch.empty_like(do if dv is None else dv)
 
@@ -559,7 +602,8 @@ def chunk_gated_delta_rule_bwd_dhu(
                   cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
                   H=H, K=K, V=V, BT=BT, USE_G=g is not None and not vector_gate,
                   USE_W=w is not None, LOCAL_FROM_AQK=Aqk is not None,
-                  IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype))
+                  IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+                  dh_scale=dh_scale, DH_SCALED=dh_scale is not None)
     if not segment_chunks:
         kernel[lambda meta: (cdiv(V, meta["BV"]), N * H)](
             dht=dht, dh0=dh0, USE_INITIAL_STATE=dh0 is not None,

@@ -123,6 +123,15 @@ def _default(args) -> Config:
     # the backward's states pass (4x4096x64x128, its space timed: 0.608 against 0.622).
     if args["FORM_AQK"]:
         return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
+    if args.get("TWO_TERM") and args.get("STATES_ONLY", False):
+        # The backward's states pass with two-term dots (16-bit delta rules): every
+        # 64-column config spilled offline (72-320 B of stack at 1x8192x96x128, Triton 3.9,
+        # sm_90; the one-term default 0), every 32-column one but one did not (184-242
+        # registers at 64 rows); at K = 256 only 64 rows and two stages did not (252
+        # registers; 96 B at 128 rows). Untimed on a GPU (benchmarks/NOTES.md, 2026-11-28
+        # 19:15-).
+        return Config(BV=tile_width(args["V"], 32), BK=tile_width(args["K"], 64),
+                      num_warps=4, num_stages=3 if args["K"] <= 128 else 2)
     few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
     if args["K"] > 128:
         if (args["DELTA"] and not few and not args["TRANSITION"]
@@ -138,13 +147,6 @@ def _default(args) -> Config:
                           num_warps=8, num_stages=2)
         return Config(BV=tile_width(args["V"], 32),
                       BK=tile_width(args["K"], 64 if few else 128), num_warps=4, num_stages=2)
-    if args.get("TWO_TERM") and args.get("STATES_ONLY", False):
-        # The backward's states pass with two-term dots (16-bit delta rules): every
-        # 64-column config spilled offline (72-320 B of stack at 1x8192x96x128, Triton 3.9,
-        # sm_90; the one-term default 0), every 32-column one but one did not (184-242
-        # registers at 64 rows). Untimed on a GPU (benchmarks/NOTES.md, 2026-11-28 19:15-).
-        return Config(BV=tile_width(args["V"], 32), BK=tile_width(args["K"], 64),
-                      num_warps=4, num_stages=3)
     if args["DELTA"] and args["TRANSITION"]:
         # The delta's transitions ([M | X], K + V columns, no Q tiles): 64 columns over
         # 64 rows and three stages. H100, Triton 3.6, bf16, 1x65536x8x128 (15 of 16

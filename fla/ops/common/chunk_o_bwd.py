@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
-from fla.ops.utils.two_term import two_term_dot_lhs
+from fla.ops.utils.two_term import two_term_dot, two_term_dot_lhs
 from fla.utils import triton_facts
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
@@ -154,6 +154,12 @@ def _dqkwg_default(args) -> Config:
     # operand tiles keep 4 warps under the register budget on H100.
     # K = 256: 3 stages (FLA_TUNE=1 on H100, Triton 3.6, bf16, 2026-11-24: 0.244 -> 0.227
     # ms at 4x4096x4x256, 1.838 -> 1.720 at 8x2048x32x256).
+    # With two-term dots or the scaled dh (the 16-bit delta rules' backward), BV = 64
+    # spilled offline (Triton 3.9, sm_90: 56 B at K = 128, 72-96 B at K = 256), BV = 32
+    # at 4 warps did not (220-249 registers). Untimed on a GPU.
+    if args.get("TWO_TERM") or args.get("DH_SCALED"):
+        return Config(BV=tile_width(args["V"], 32), num_warps=4,
+                      num_stages=3 if args["K"] >= 256 else 2)
     return Config(BV=tile_width(args["V"], 64), num_warps=4,
                   num_stages=3 if args["K"] >= 256 else 2)
 
@@ -164,7 +170,7 @@ def _dqkwg_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
 
 
-@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM"],
+@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM", "DH_SCALED"],
        default=_dqkwg_default, space=_dqkwg_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
@@ -172,10 +178,13 @@ def chunk_bwd_dqkwg_kernel(
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, TWO_TERM: tl.constexpr = False,
+    dh_scale=None, DH_SCALED: tl.constexpr = False,
 ):
     """One program per (K tile, chunk, batch·head); the V dimension is looped over.
     With ``TWO_TERM`` the score gradient enters its two dots (dQ's and dK's in-chunk
-    terms) as two 16-bit tiles (``fla.ops.utils.two_term``).
+    terms) as two 16-bit tiles (``fla.ops.utils.two_term``). With ``DH_SCALED`` dh is
+    the reverse pass's scaled fp16 (times ``dh_scale [B, NT, H, V]`` per column), read
+    into fp32, and enters dK's state dot as two terms too.
 
     K is split across programs (BK fixed by the launcher, not tuned) so each program's dγ
     is a partial sum over its K tile, written to its own slice ``dg[i_k]``.
@@ -214,12 +223,16 @@ def chunk_bwd_dqkwg_kernel(
         h_off = h_base + o_k[:, None] * V + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h + h_off, mask=m_kv, other=0.).to(dt)
-        b_dh = tl.load(dh + h_off, mask=m_kv, other=0.).to(dt)
+        if DH_SCALED:
+            b_dh = tl.load(dh + h_off, mask=m_kv, other=0.).to(tl.float32) * tl.load(
+                dh_scale + (i_tg * H + i_h) * V + o_v, mask=m_v, other=0.)[None, :]
+        else:
+            b_dh = tl.load(dh + h_off, mask=m_kv, other=0.).to(dt)
         if USE_G:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
-        b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
+        b_dk = two_term_dot(b_vn, tl.trans(b_dh), b_dk, DH_SCALED, DOT_PRECISION)
         if USE_W:
             b_dv = tl.load(dv2 + v_off, mask=m_tv, other=0.).to(dt)
             b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PRECISION)
@@ -279,6 +292,7 @@ def chunk_bwd_dqkwg(
     dg_parts: bool = False,
     two_term: bool = False,
     dk_dtype: torch.dtype | None = None,
+    dh_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of q, k, w and γ through O and the state update, per chunk.
 
@@ -307,6 +321,9 @@ def chunk_bwd_dqkwg(
             dots as two 16-bit tiles (``fla.ops.utils.two_term``); ignored for fp32.
         dk_dtype: dk's dtype (default k's): float32 where a later stage adds its own
             part (``prepare_wy_repr_bwd``'s ``dk_acc``), so that dk is rounded once.
+        dh_scale: ``[B, NT, H, V]`` float32, with dh in fp16 as the reverse pass scaled
+            it (``chunk_gated_delta_rule_bwd_dhu``'s ``dh_scale``): dh is read as
+            dh · dh_scale in fp32, and enters dK's state dot as two 16-bit tiles.
 
     Returns:
         ``(dq, dk, dw, dg)``: dq in k's dtype, dk in ``dk_dtype`` (default k's), dw in w's
@@ -342,6 +359,7 @@ def chunk_bwd_dqkwg(
         H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
         TWO_TERM=two_term and k.dtype != torch.float32,
+        dh_scale=dh_scale, DH_SCALED=dh_scale is not None,
     )
     if dg is not None:
         if not dg_parts:

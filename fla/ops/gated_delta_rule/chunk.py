@@ -107,7 +107,10 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     stays fp32 until the WY part is added (one rounding, not two). Emulated at
     1x1000x2x64: dk 5.28e-3 -> 3.99e-3 (the recomputed pass alone 4.62e-3, with the
     fp32 partial 4.30e-3; the reverse pass on two terms too 3.75e-3, left out: the
-    sequential pass gains least); benchmarks/NOTES.md, 2026-11-28 19:15-.
+    sequential pass gains least); benchmarks/NOTES.md, 2026-11-28 19:15-. With a gate,
+    dh is also stored as scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ
+    = q·dq − k·dk cancels, and bf16's dh in k's state term took dg to 5.1e-3 at
+    unit-norm queries (emulated; 2.5e-3 with the scaled dh).
     """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     two_term = k.dtype != torch.float32
@@ -125,16 +128,19 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                    chunk_size=CHUNK_SIZE, **varlen)
         del u
+    # With the gate, dh as scaled fp16 (see above).
+    dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
+                if two_term and g_cum is not None else None)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
         segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
-        offsets=offsets, segment_maps=segment_maps, **varlen)
+        offsets=offsets, segment_maps=segment_maps, dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
                                      chunk_size=CHUNK_SIZE, two_term=two_term,
-                                     dk_dtype=torch.float32, **varlen)
+                                     dk_dtype=torch.float32, dh_scale=dh_scale, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
-    del h, v_new, dh, w
+    del h, v_new, dh, dh_scale, w
     # The WY part of dk and dγ is added to dqkwg's as the WY stage reads them (dγ in place).
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, dk_acc=dk,
                                             dg_acc=dg, two_term=two_term, **varlen)

@@ -143,13 +143,19 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
         h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, save_new_value=False,
                                                **varlen)
+    # With the gate in 16 bits, dh in fp16 scaled per chunk: dγ = q·dq − k·dk cancels,
+    # and bf16's rounding of dh in k's state term took it past 5e-3 (emulated, unit-norm
+    # queries: up to 5.8e-3; 2026-11-28 19:15- in benchmarks/NOTES.md).
+    dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
+                if g_cum is not None and k.dtype != torch.float32 else None)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
         Aqk=Aqk, segment_chunks=0 if segment_states is None else _segment_chunks(k, v, offsets),
-        offsets=offsets, **varlen)
+        offsets=offsets, dh_scale=dh_scale, **varlen)
     dq, dk, _, dg = chunk_bwd_dqkwg(q, k, v, None, g_cum, h, dv, do, dh, scale,
-                                    chunk_size=CHUNK_SIZE, dg_parts=True, **varlen)
+                                    chunk_size=CHUNK_SIZE, dg_parts=True, dh_scale=dh_scale,
+                                    **varlen)
     if dg is not None:
         # γ is a chunk-local prefix sum of g: ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ,
         # the cumsum adding the K tiles' partial sums as it reads them.
