@@ -19,6 +19,14 @@ import triton.language as tl
 
 
 @triton.jit
+def remainder_16bit(x, hi):
+    """``x − hi`` in hi's 16-bit dtype, hi being fp32 ``x`` rounded to it: the second
+    term, so that hi + lo = x to ~16 mantissa bits. (Formed after hi's dot, not with
+    it: both alive at once spilled the WY backward offline.)"""
+    return (x - hi.to(tl.float32)).to(hi.dtype)
+
+
+@triton.jit
 def two_term_dot(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc + a · b`` for a 16-bit ``a [M, R]`` and an fp32 ``b [R, N]``, ``acc [M, N]``
     fp32. With ``TWO_TERM`` b enters as ``hi + lo`` (two 16-bit dots), without as b
@@ -27,8 +35,7 @@ def two_term_dot(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.constexpr)
     b_hi = b.to(a.dtype)
     acc = tl.dot(a, b_hi, acc, input_precision=DOT_PRECISION)
     if TWO_TERM:
-        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
-        acc = tl.dot(a, b_lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a, remainder_16bit(b, b_hi), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -39,6 +46,5 @@ def two_term_dot_lhs(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.conste
     a_hi = a.to(b.dtype)
     acc = tl.dot(a_hi, b, acc, input_precision=DOT_PRECISION)
     if TWO_TERM:
-        a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
-        acc = tl.dot(a_lo, b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(remainder_16bit(a, a_hi), b, acc, input_precision=DOT_PRECISION)
     return acc
