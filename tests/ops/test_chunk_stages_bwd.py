@@ -575,22 +575,20 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
     varlen = dict(cu_seqlens=dev["cu"], chunk_indices=dev["ci"])
     dv_local = chunk_bwd_dv_local(dev["q"], dev["k"], dev["do"], g=dev["g"], scale=scale,
                                   **varlen)
-    # As the op does: in 16 bits dh stored as scaled fp16, two-term dots and dk's partial
-    # in fp32, the WY part added to dqkwg's dk and dγ as it reads them.
-    two_term = dtype != torch.float32
+    # As the op does: in 16 bits dh stored as scaled fp16; dk's partial in fp32, the WY
+    # part added to dqkwg's dk and dγ as it reads them.
     dh_scale = (torch.empty(*dev["h"].shape[:3], V, dtype=torch.float32,
-                            device=dev["h"].device) if two_term else None)
+                            device=dev["h"].device) if dtype != torch.float32 else None)
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
         scale=scale, segment_chunks=segment_chunks,
         offsets=None if cu is None else cu.tolist(), dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
-        scale=scale, two_term=two_term, dk_dtype=torch.float32, dh_scale=dh_scale,
-        **varlen)
+        scale=scale, dk_dtype=torch.float32, dh_scale=dh_scale, **varlen)
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(
         dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], dk_acc=dk,
-        dg_acc=dg, two_term=two_term, **varlen)
+        dg_acc=dg, **varlen)
     dg = local_cumsum(dg.to(F64), seqs, reverse=True)
     return (dq, dk, dv, dg, dbeta, dh0), o
 

@@ -99,14 +99,11 @@ def _dhu_default(args) -> Config:
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
     if args.get("DH_SCALED") and args["USE_W"] and not thin:
-        # dh stored scaled (a max over dS and a scaled copy a chunk): at 64 columns, 4
-        # warps and three stages it spilled 112-136 B offline (1x8192x96x128, Triton 3.9,
-        # sm_90; 0-96 B unscaled), at 8 warps and three stages not (227-229 registers),
-        # nor at 4 warps and two (242-248). Untimed on a GPU (benchmarks/NOTES.md,
-        # 2026-11-28 19:15-).
-        eight = 8 in warp_choices(stmatrix_prone=True)
-        return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=8 if eight else 4,
-                      num_stages=3 if eight else 2)
+        # dh stored scaled (a max over dS and a scaled copy a chunk): 64 columns, 4 warps,
+        # three stages. H200 (Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC),
+        # 1x8192x96x128: 0.841 ms, against 0.846 at two stages and 0.988 at the 8 warps
+        # chosen offline because 4 spilled there (112-136 B, Triton 3.9, sm_90).
+        return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=3)
     # (8 warps only where this Triton builds them: see _dhu_space.)
     warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
     return Config(BV=tile_width(args["V"], 32 if thin else 64), BK=bk,

@@ -124,14 +124,17 @@ def _default(args) -> Config:
     if args["FORM_AQK"]:
         return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
     if args.get("TWO_TERM") and args.get("STATES_ONLY", False):
-        # The backward's states pass with two-term dots (16-bit delta rules): every
-        # 64-column config spilled offline (72-320 B of stack at 1x8192x96x128, Triton 3.9,
-        # sm_90; the one-term default 0), every 32-column one but one did not (184-242
-        # registers at 64 rows); at K = 256 only 64 rows and two stages did not (252
-        # registers; 96 B at 128 rows). Untimed on a GPU (benchmarks/NOTES.md, 2026-11-28
-        # 19:15-).
-        return Config(BV=tile_width(args["V"], 32), BK=tile_width(args["K"], 64),
-                      num_warps=4, num_stages=3 if args["K"] <= 128 else 2)
+        # The backward's states pass with two-term dots (16-bit delta rules). Timed on the
+        # H200 (Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC): on a full grid 64
+        # columns over 64 rows at three stages, 0.700 ms at 1x8192x96x128 against 0.910 at
+        # 32 columns (the 64-column configs spill 72-320 B offline, and are faster all
+        # the same); on a thin grid 32 columns, 0.221 at 4x4096x16x128 (64: 0.249). At
+        # K = 256 (untimed) 64 rows, 32 columns and two stages: the one config that kept
+        # no stack offline (252 registers; benchmarks/NOTES.md, 2026-11-28 19:15-).
+        wide = args["K"] <= 128 and not args.get("FEW_PROGRAMS", 0)
+        return Config(BV=tile_width(args["V"], 64 if wide else 32),
+                      BK=tile_width(args["K"], 64), num_warps=4,
+                      num_stages=3 if args["K"] <= 128 else 2)
     few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
     if args["K"] > 128:
         if (args["DELTA"] and not few and not args["TRANSITION"]

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_kernel_device, tile_width
-from fla.ops.utils.two_term import two_term_dot, two_term_dot_lhs
+from fla.ops.utils.two_term import two_term_dot
 from fla.utils import triton_facts
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
@@ -154,12 +154,12 @@ def _dqkwg_default(args) -> Config:
     # operand tiles keep 4 warps under the register budget on H100.
     # K = 256: 3 stages (FLA_TUNE=1 on H100, Triton 3.6, bf16, 2026-11-24: 0.244 -> 0.227
     # ms at 4x4096x4x256, 1.838 -> 1.720 at 8x2048x32x256).
-    # With two-term dots or the scaled dh (the 16-bit delta rules' backward), BV = 64
-    # spilled offline (Triton 3.9, sm_90: 56 B at K = 128, 72-96 B at K = 256), BV = 32
-    # at 4 warps did not (220-249 registers). Untimed on a GPU.
-    if args.get("TWO_TERM") or args.get("DH_SCALED"):
-        return Config(BV=tile_width(args["V"], 32), num_warps=4,
-                      num_stages=3 if args["K"] >= 256 else 2)
+    # With the scaled dh (the 16-bit scalar-gate backward's two-term dK state dot),
+    # three stages at every K (H200, Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC:
+    # 1.389 -> 1.088 ms at 1x8192x96x128 from 32 columns and two stages, 1.793 -> 1.621 at
+    # 8x2048x32x256 from 32 columns; offline BV = 64 spills 56-96 B, timed faster anyway).
+    if args.get("DH_SCALED"):
+        return Config(BV=tile_width(args["V"], 64), num_warps=4, num_stages=3)
     return Config(BV=tile_width(args["V"], 64), num_warps=4,
                   num_stages=3 if args["K"] >= 256 else 2)
 
@@ -170,21 +170,20 @@ def _dqkwg_space(args) -> list[Config]:
             for bv in bvs for w in (2, 4, 8) for s in (2, 3)]
 
 
-@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "TWO_TERM", "DH_SCALED"],
+@tuned(key=["k", "K", "V", "BT", "BK", "USE_G", "USE_W", "DH_SCALED"],
        default=_dqkwg_default, space=_dqkwg_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_bwd_dqkwg_kernel(
     q, k, v_new, w, g, h, dv2, do, dh, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, TWO_TERM: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     dh_scale=None, DH_SCALED: tl.constexpr = False,
 ):
     """One program per (K tile, chunk, batch·head); the V dimension is looped over.
-    With ``TWO_TERM`` the score gradient enters its two dots (dQ's and dK's in-chunk
-    terms) as two 16-bit tiles (``fla.ops.utils.two_term``). With ``DH_SCALED`` dh is
-    the reverse pass's scaled fp16 (times ``dh_scale [B, NT, H, V]`` per column), read
-    into fp32, and enters dK's state dot as two terms too.
+    With ``DH_SCALED`` dh is the reverse pass's scaled fp16 (times ``dh_scale [B, NT, H,
+    V]`` per column), read into fp32, and enters dK's state dot as two 16-bit tiles
+    (``fla.ops.utils.two_term``).
 
     K is split across programs (BK fixed by the launcher, not tuned) so each program's dγ
     is a partial sum over its K tile, written to its own slice ``dg[i_k]``.
@@ -258,11 +257,9 @@ def chunk_bwd_dqkwg_kernel(
         b_ds *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     else:
         b_dq *= scale
-    b_ds = tl.where(m_A, b_ds * scale, 0.)
-    if not TWO_TERM:
-        b_ds = b_ds.to(dt)    # one term: rounded once, for both dots
-    b_dq = two_term_dot_lhs(b_ds, b_k.to(dt), b_dq, TWO_TERM, DOT_PRECISION)
-    b_dk = two_term_dot_lhs(tl.trans(b_ds), b_q.to(dt), b_dk, TWO_TERM, DOT_PRECISION)
+    b_ds = tl.where(m_A, b_ds * scale, 0.).to(dt)
+    b_dq += tl.dot(b_ds, b_k.to(dt), input_precision=DOT_PRECISION)
+    b_dk += tl.dot(tl.trans(b_ds), b_q.to(dt), input_precision=DOT_PRECISION)
     tl.store(dq + k_off, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + k_off, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
@@ -290,7 +287,6 @@ def chunk_bwd_dqkwg(
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
     dg_parts: bool = False,
-    two_term: bool = False,
     dk_dtype: torch.dtype | None = None,
     dh_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -317,8 +313,6 @@ def chunk_bwd_dqkwg(
         dg_parts: return dg unsummed, ``[NK, B, T, H]`` with one partial sum per 64-wide
             K tile (NK = ceil(K / 64)), for ``chunk_local_cumsum_fwd(..., sum_parts=True)``
             to add as it loads them.
-        two_term: the in-chunk score gradient scale·(dO Vnᵀ ⊙ Γ) enters dQ's and dK's
-            dots as two 16-bit tiles (``fla.ops.utils.two_term``); ignored for fp32.
         dk_dtype: dk's dtype (default k's): float32 where a later stage adds its own
             part (``prepare_wy_repr_bwd``'s ``dk_acc``), so that dk is rounded once.
         dh_scale: ``[B, NT, H, V]`` float32, with dh in fp16 as the reverse pass scaled
@@ -358,7 +352,6 @@ def chunk_bwd_dqkwg(
         dg=dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
         H=H, K=K, V=V, BT=BT, BK=BK, USE_G=g is not None, USE_W=w is not None,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-        TWO_TERM=two_term and k.dtype != torch.float32,
         dh_scale=dh_scale, DH_SCALED=dh_scale is not None,
     )
     if dg is not None:

@@ -101,16 +101,16 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     16-bit inputs: with bf16 operands alone the delta rule's gradients missed the 5e-3
     bound (dk 5.43e-3 at 2x1000x4x128 on the H200; the gated rule at weak decays alike, in
     the interpreter's emulation of the GPU's arithmetic). So the states are recomputed by
-    the forward's pass (never the staged one, see ``_states_from_the_forward_pass``),
-    which with the score gradient in dqkwg and the WY stage's dA chain takes its fp32
-    operands as two 16-bit tiles (``fla.ops.utils.two_term``), and dqkwg's part of dk
-    stays fp32 until the WY part is added (one rounding, not two). Emulated at
-    1x1000x2x64: dk 5.28e-3 -> 3.99e-3 (the recomputed pass alone 4.62e-3, with the
-    fp32 partial 4.30e-3; the reverse pass on two terms too 3.75e-3, left out: the
-    sequential pass gains least); benchmarks/NOTES.md, 2026-11-28 19:15-. With a gate,
-    dh is also stored as scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ
-    = q·dq − k·dk cancels, and bf16's dh in k's state term took dg to 5.1e-3 at
-    unit-norm queries (emulated; 2.5e-3 with the scaled dh).
+    the forward's pass (never the staged one, see ``_states_from_the_forward_pass``) with
+    its recurrence's fp32 operands as two 16-bit tiles (``fla.ops.utils.two_term``), and
+    dqkwg's part of dk stays fp32 until the WY part is added (one rounding, not two).
+    Emulated at 1x1000x2x128: dk 5.11e-3 -> 4.20e-3 (the pass alone 4.49e-3, the fp32
+    partial alone 4.86e-3). Two terms in dqkwg's score gradient and the WY stage's dA chain
+    too took it to 4.05e-3 but cost 0.15 + 0.21 ms of 3.77 at 1x8192x96x128 on the H200:
+    left out (benchmarks/NOTES.md, 2026-11-28 21:52-). With a gate, dh is also stored as
+    scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ = q·dq − k·dk cancels,
+    and at unit-norm queries the gated rule's dg reached 7.8e-3 (emulated, max over 40
+    seeds; 5.3e-3 with the two changes above, 3.8e-3 with the scaled dh too).
     """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     two_term = k.dtype != torch.float32
@@ -137,13 +137,13 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
         segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
         offsets=offsets, segment_maps=segment_maps, dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
-                                     chunk_size=CHUNK_SIZE, two_term=two_term,
-                                     dk_dtype=torch.float32, dh_scale=dh_scale, **varlen)
+                                     chunk_size=CHUNK_SIZE, dk_dtype=torch.float32,
+                                     dh_scale=dh_scale, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
     del h, v_new, dh, dh_scale, w
     # The WY part of dk and dγ is added to dqkwg's as the WY stage reads them (dγ in place).
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(k, v, beta, A, dw, dv, g_cum, dk_acc=dk,
-                                            dg_acc=dg, two_term=two_term, **varlen)
+                                            dg_acc=dg, **varlen)
     if g_cum is not None:
         # γ is a chunk-local prefix sum of g, so ∂L/∂g is the reverse (suffix) sum of ∂L/∂γ.
         dg = chunk_local_cumsum_fwd(dg, CHUNK_SIZE, reverse=True,

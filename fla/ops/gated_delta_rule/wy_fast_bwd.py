@@ -25,7 +25,6 @@ import triton.language as tl
 from fla.ops.utils.chunk_rows import load_chunk_rows
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
 from fla.ops.utils.tiles import check_buffer, check_kernel_device, sixteen_bit, tile_width
-from fla.ops.utils.two_term import two_term_dot, two_term_dot_lhs
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
@@ -51,12 +50,6 @@ def _wy_default(args) -> Config:
     # 0.79 -> 0.68 at 1x8192x96x128, 0.52 -> 0.45 at 2x16384x16x128, 0.138 -> 0.121 at
     # 4x2048x16x128; K = 64 even at 8x1024x8x64 (config sweeps, 2026-11-26). fp32
     # operands below K = 256 keep two (twice the shared memory a stage).
-    # With two-term dots (16-bit inputs, the dA chain's operands as two tiles each) the
-    # 64-wide tiles spilled offline (184-192 B of stack at 4 warps, 1x8192x96x128, Triton
-    # 3.9, sm_90); 32-wide tiles at two stages did not (248 registers). Untimed on a GPU.
-    if args.get("TWO_TERM") and not _narrow_sixteen_bit(args):
-        return Config(BK=tile_width(args["K"], 32), BV=tile_width(args["V"], 32),
-                      num_warps=4, num_stages=2)
     return Config(BK=tile_width(args["K"], 64), BV=tile_width(args["V"], 64),
                   num_warps=2 if _narrow_sixteen_bit(args) else 4,
                   num_stages=3 if args["K"] >= 256 or sixteen_bit(args) else 2)
@@ -70,21 +63,19 @@ def _wy_space(args) -> list[Config]:
             for bk in bks for bv in bvs for w in warps for s in (2, 3)]
 
 
-@tuned(key=["k", "A", "K", "V", "BT", "USE_G", "TWO_TERM"], default=_wy_default,
-       space=_wy_space)
+@tuned(key=["k", "A", "K", "V", "BT", "USE_G"], default=_wy_default, space=_wy_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def prepare_wy_repr_bwd_kernel(
     k, v, beta, g, A, dw, du, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-    TWO_TERM: tl.constexpr = False, dk_acc=None,
+    dk_acc=None,
 ):
     """One program per (chunk, batch·head): every gradient of one chunk's W and U.
     ``ACCUMULATE``: ``dk_acc`` (dk itself, or an fp32 tensor) and dg hold the other part of
     their gradient (read, added in fp32, written to dk and dg: each program reads only the
-    rows it writes, so in place is safe). ``TWO_TERM``: the dA chain's fp32 operands
-    enter its dots as two 16-bit tiles (``fla.ops.utils.two_term``)."""
+    rows it writes, so in place is safe)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = locate_chunk(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -132,10 +123,8 @@ def prepare_wy_repr_bwd_kernel(
         tl.store(dv + v_off, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
 
     # dA = −Tinvᵀ dTinv Tinvᵀ, only its strictly lower part reaches A.
-    b_dA = two_term_dot(tl.trans(b_T), b_dT, tl.zeros([BT, BT], dtype=tl.float32), TWO_TERM,
-                        DOT_PRECISION)
-    b_dA = two_term_dot_lhs(b_dA, tl.trans(b_T), tl.zeros([BT, BT], dtype=tl.float32),
-                            TWO_TERM, DOT_PRECISION)
+    b_dA = tl.dot(tl.trans(b_T), b_dT.to(dt), input_precision=DOT_PRECISION)
+    b_dA = tl.dot(b_dA.to(dt), tl.trans(b_T), input_precision=DOT_PRECISION)
     b_dA = tl.where(m_strict, -b_dA, 0.)
     if USE_G:
         # Γ_ij = exp(γ_i − γ_j), i > j: exponent ≤ 0, masked before exp.
@@ -146,9 +135,7 @@ def prepare_wy_repr_bwd_kernel(
     if USE_G:
         b_dAA = b_dAk * b_beta[:, None]   # dA ⊙ A
         b_dgv = tl.sum(b_dAA, axis=1) - tl.sum(b_dAA, axis=0)
-    b_dM = b_dA * b_beta[:, None]
-    if not TWO_TERM:
-        b_dM = b_dM.to(dt)    # one term: rounded once, outside the K loop
+    b_dM = (b_dA * b_beta[:, None]).to(dt)
 
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -165,8 +152,8 @@ def prepare_wy_repr_bwd_kernel(
         else:
             b_db += tl.sum(b_dkb * b_kf, axis=1)
         b_kc = b_k.to(dt)
-        b_dk = two_term_dot_lhs(b_dM, b_kc, b_dk, TWO_TERM, DOT_PRECISION)
-        b_dk = two_term_dot_lhs(tl.trans(b_dM), b_kc, b_dk, TWO_TERM, DOT_PRECISION)
+        b_dk += tl.dot(b_dM, b_kc, input_precision=DOT_PRECISION)
+        b_dk += tl.dot(tl.trans(b_dM), b_kc, input_precision=DOT_PRECISION)
         if ACCUMULATE:
             b_dk += tl.load(dk_acc + k_off, mask=m_tk, other=0.).to(tl.float32)
         tl.store(dk + k_off, b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -190,7 +177,6 @@ def prepare_wy_repr_bwd(
     chunk_indices: torch.Tensor | None = None,
     dk_acc: torch.Tensor | None = None,
     dg_acc: torch.Tensor | None = None,
-    two_term: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of k, v, β and γ through W = Tinv·diag(β)(K ⊙ e^γ) and U = Tinv·diag(β)V.
 
@@ -211,9 +197,6 @@ def prepare_wy_repr_bwd(
             dk from float32 (a 16-bit partial would round dk twice). No separate WY dk is
             written and read back (at 1x8192x96x128 bf16 that add was 0.19 ms on H100).
         dg_acc: ``[B, T, H]`` contiguous float32, likewise for ∂L/∂γ (needs g).
-        two_term: the chain dA = −Tinvᵀ dTinv Tinvᵀ and dA's products with K take their
-            fp32 operands as two 16-bit tiles (``fla.ops.utils.two_term``); ignored for
-            fp32.
 
     Returns:
         ``(dk, dv, dbeta, dg)``: dk ``[B, T, H, K]`` in k's dtype (the WY part, plus
@@ -260,6 +243,5 @@ def prepare_wy_repr_bwd(
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, K=K, V=V, BT=BT,
         USE_G=g is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=dot_precision(k.dtype), ACCUMULATE=accumulate,
-        TWO_TERM=two_term and k.dtype != torch.float32,
     )
     return dk, dv, dbeta, dg

@@ -1,8 +1,8 @@
 """A 16-bit tensor-core dot with an fp32 operand kept to ~16 mantissa bits.
 
 A chunked recurrence multiplies 16-bit inputs (K, Q, Ai) with fp32 values it computes
-on the way (the state S, the residual β(V − K S), the new values Vn, the score and dA
-gradients). As one 16-bit operand such a value keeps 8 mantissa bits (bf16), and where
+on the way (the state S, the residual β(V − K S), the new values Vn, the state gradient
+dh read back from its scaled fp16). As one 16-bit operand such a value keeps 8 mantissa bits (bf16), and where
 the products are then cancelled (Vn = Ai β(V − K S) is the small remainder of what the
 state already predicts) the rounding shows at the size of the cancelled terms. Written
 as the sum of two 16-bit tiles, its rounding ``hi`` and the rounding's remainder
@@ -19,32 +19,15 @@ import triton.language as tl
 
 
 @triton.jit
-def remainder_16bit(x, hi):
-    """``x − hi`` in hi's 16-bit dtype, hi being fp32 ``x`` rounded to it: the second
-    term, so that hi + lo = x to ~16 mantissa bits. (Formed after hi's dot, not with
-    it: both alive at once spilled the WY backward offline.)"""
-    return (x - hi.to(tl.float32)).to(hi.dtype)
-
-
-@triton.jit
 def two_term_dot(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc + a · b`` for a 16-bit ``a [M, R]`` and an fp32 ``b [R, N]``, ``acc [M, N]``
-    fp32. With ``TWO_TERM`` b enters as ``hi + lo`` (two 16-bit dots), without as b
-    rounded to a's dtype (one dot: the plain form). With fp32 ``a`` the one dot is
-    fp32's own; TWO_TERM is then pointless."""
+    fp32. With ``TWO_TERM`` b enters as ``hi + lo`` (two 16-bit dots; lo = b − hi, formed
+    after hi's dot so that both are not alive at once), without as b rounded to a's dtype
+    (one dot: the plain form). With fp32 ``a`` the one dot is fp32's own; TWO_TERM is
+    then pointless."""
     b_hi = b.to(a.dtype)
     acc = tl.dot(a, b_hi, acc, input_precision=DOT_PRECISION)
     if TWO_TERM:
-        acc = tl.dot(a, remainder_16bit(b, b_hi), acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def two_term_dot_lhs(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + a · b`` for an fp32 ``a [M, R]`` and a 16-bit ``b [R, N]``: the mirror of
-    :func:`two_term_dot`, a entering as ``hi + lo`` with ``TWO_TERM``."""
-    a_hi = a.to(b.dtype)
-    acc = tl.dot(a_hi, b, acc, input_precision=DOT_PRECISION)
-    if TWO_TERM:
-        acc = tl.dot(remainder_16bit(a, a_hi), b, acc, input_precision=DOT_PRECISION)
+        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
+        acc = tl.dot(a, b_lo, acc, input_precision=DOT_PRECISION)
     return acc
