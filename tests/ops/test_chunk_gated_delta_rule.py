@@ -249,7 +249,7 @@ def test_delta_rule_bf16_at_a_real_shape(seed):
     bound on the H200 (Triton 3.6, 2026-11-28: dk 5.43e-3 at two seeds); the backward's
     two-term states pass and fp32 dk partial (``_backward`` in
     fla/ops/gated_delta_rule/chunk.py) bring the emulation's dk from 5.11e-3 to 4.20e-3
-    here (passed on the H200, 2026-11-28 22:30 UTC)."""
+    at 1x1000x2x128 (this test passed on the H200, 2026-11-28 22:30 UTC)."""
     gen = generator(seed)
     inputs = make_inputs(gen, B=2, T=1000, H=4, HV=4, K=128, V=128, gate=False)
     inputs.pop("g")

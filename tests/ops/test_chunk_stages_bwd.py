@@ -509,9 +509,9 @@ def test_wy_repr_bwd(case, dtype, use_g, device, seed):
 
 @pytest.mark.interpret
 def test_wy_repr_bwd_adds_into_given_buffers(device, seed):
-    """dk_acc / dg_acc: the WY part is added into them in place (the result is them, equal
-    to the separate part plus their old value); a buffer the kernel would address wrongly
-    is refused."""
+    """dk_acc / dg_acc in fp32 inputs: the WY part is added into them in place (the result
+    is them, equal to the separate part plus their old value); a buffer the kernel would
+    address wrongly is refused."""
     gen = generator(seed)
     case = CASES[-1].values[0]                    # varlen
     B, T, cu, seqs, k, v, beta, gam = wy_inputs(case, torch.float32, True, gen)
@@ -538,6 +538,37 @@ def test_wy_repr_bwd_adds_into_given_buffers(device, seed):
     with pytest.raises(ValueError, match="dg_acc: expected a contiguous"):
         prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.clone(),
                             dg_acc=dg_old[..., :1].expand_as(dg_old), **kw)
+
+
+@pytest.mark.interpret
+def test_wy_repr_bwd_adds_a_float32_partial_into_a_new_16_bit_dk(device, seed):
+    """16-bit inputs: an fp32 dk_acc (dqkwg's partial, as the op passes it) is added as it
+    is read and the sum rounded once into a new dk in k's dtype, the partial untouched; a
+    dk_acc in k's dtype is still added in place."""
+    gen = generator(seed)
+    case = CASES[-1].values[0]                    # varlen
+    B, T, cu, seqs, k, v, beta, gam = wy_inputs(case, torch.float16, True, gen)
+    H, K, V = case["H"], case["K"], case["V"]
+    args = [to_dev(x, device) for x in (k, v, beta)]
+    Ai = randn((B, T, H, BT), gen, torch.float16, device)
+    dw, du = randn((B, T, H, K), gen, torch.float16, device), randn((B, T, H, V), gen,
+                                                                     torch.float16, device)
+    kw = dict(g=to_dev(gam.float(), device), cu_seqlens=to_dev(cu, device))
+    dk_wy, _, _, dg_wy = prepare_wy_repr_bwd(*args, Ai, dw, du, **kw)
+    dk_old = randn((B, T, H, K), gen, torch.float32, device)
+    dg_old = randn((B, T, H), gen, torch.float32, device)
+    dk_acc = dk_old.clone()
+    dk, _, _, dg = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc,
+                                       dg_acc=dg_old.clone(), **kw)
+    assert dk is not dk_acc and dk.dtype == torch.float16 and torch.equal(dk_acc, dk_old)
+    # dk_wy is itself rounded to fp16: the sum agrees to a few fp16 roundings.
+    assert_rel_close("dk", dk, dk_wy.double() + dk_old.double(), 2e-3)
+    assert_rel_close("dg", dg, dg_wy.double() + dg_old.double(), 1e-6)
+    dk_acc16 = dk_old.half()
+    dk16, _, _, _ = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc16,
+                                        dg_acc=dg_old.clone(), **kw)
+    assert dk16 is dk_acc16
+    assert_rel_close("dk", dk16, dk_wy.double() + dk_old.half().double(), 2e-3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -575,10 +606,10 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
     varlen = dict(cu_seqlens=dev["cu"], chunk_indices=dev["ci"])
     dv_local = chunk_bwd_dv_local(dev["q"], dev["k"], dev["do"], g=dev["g"], scale=scale,
                                   **varlen)
-    # As the op does: in 16 bits dh stored as scaled fp16; dk's partial in fp32, the WY
-    # part added to dqkwg's dk and dγ as it reads them.
+    # As the op does: in bf16 dh stored as scaled fp16; dk's partial in fp32, the WY part
+    # added to dqkwg's dk and dγ as it reads them.
     dh_scale = (torch.empty(*dev["h"].shape[:3], V, dtype=torch.float32,
-                            device=dev["h"].device) if dtype != torch.float32 else None)
+                            device=dev["h"].device) if dtype == torch.bfloat16 else None)
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
         scale=scale, segment_chunks=segment_chunks,

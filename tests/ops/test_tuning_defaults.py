@@ -712,3 +712,24 @@ def test_fused_recurrent_forward_defaults_on_thin_grids_follow_the_measured_best
                       kernel.space(args), (config.meta["BV"], config.num_warps))
     # Decode batches (a full grid) keep the common rule.
     assert kernel.default(dict(args, FEW_PROGRAMS=0)) == tiles.default_config(args)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("few", [0, 1, 2])
+def test_sixteen_bit_backward_defaults_stay_in_their_space(D, few):
+    """The 16-bit delta rules' backward variants (the states pass on two-term dots, the
+    reverse pass and dqkwg with the scaled dh) have defaults of their own: each is a config
+    of its kernel's space."""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_o_bwd
+
+    inter = dict(K=D, V=D, k=BF16, DELTA=True, TRANSITION=False, SPLIT=False,
+                 FORM_AQK=False, STORE_AQK=False, FEW_PROGRAMS=few, STATES_ONLY=True,
+                 TWO_TERM=True)
+    assert chunk_fwd_inter._default(inter) in chunk_fwd_inter._space(inter), inter
+    for with_w in (True, False):
+        dhu = dict(K=D, V=D, BT=64, k=BF16, USE_W=with_w, USE_GK=None, GATED_OPERANDS=None,
+                   FEW_PROGRAMS=few, DH_SCALED=True)
+        assert (chunk_delta_h_bwd._dhu_default(dhu)
+                in chunk_delta_h_bwd._dhu_space(dhu)), dhu
+    dqkwg = dict(K=D, V=D, BT=64, BK=64, k=BF16, USE_G=True, USE_W=True, DH_SCALED=True)
+    assert chunk_o_bwd._dqkwg_default(dqkwg) in chunk_o_bwd._dqkwg_space(dqkwg), dqkwg

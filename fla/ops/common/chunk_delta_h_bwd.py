@@ -98,12 +98,10 @@ def _dhu_default(args) -> Config:
         return Config(BV=tile_width(args["V"], 64 if wide else 32), BK=bk, num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2
-    if args.get("DH_SCALED") and args["USE_W"] and not thin:
-        # dh stored scaled (a max over dS and a scaled copy a chunk): 64 columns, 4 warps,
-        # three stages. H200 (Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC),
-        # 1x8192x96x128: 0.841 ms, against 0.846 at two stages and 0.988 at the 8 warps
-        # chosen offline because 4 spilled there (112-136 B, Triton 3.9, sm_90).
-        return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=4, num_stages=3)
+    # With W on a full grid dh stored scaled (DH_SCALED: a max over dS and a scaled copy a
+    # chunk) keeps the rule below, 64 columns, 4 warps, three stages. H200 (Triton 3.6,
+    # bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC), 1x8192x96x128: 0.841 ms, against 0.846 at
+    # two stages and 0.988 at 8 warps (offline, 4 warps spill 112-136 B there).
     # (8 warps only where this Triton builds them: see _dhu_space.)
     warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
     return Config(BV=tile_width(args["V"], 32 if thin else 64), BK=bk,
@@ -552,7 +550,9 @@ def chunk_gated_delta_rule_bwd_dhu(
         dh_scale: a ``[B, NT, H, V]`` float32 buffer (contiguous): dh is then returned
             in fp16, each chunk's block scaled by a power of two written here per column
             (``chunk_bwd_dqkwg``'s ``dh_scale`` reads it back): 11 significant bits
-            instead of bf16's 8 at the same bytes. No vector gate.
+            instead of bf16's 8 at the same bytes. No vector gate. Meant for bf16 inputs
+            (the ops pass it only there); with fp32 inputs it stores fp32's dh in fp16,
+            which the tests use to check the scaling against the fp32 pass.
 
     Returns:
         ``(dh, dh0, dv2)``:
@@ -631,7 +631,8 @@ def chunk_gated_delta_rule_bwd_dhu(
     kernel[lambda meta: (cdiv(width, meta["BV"]) - (K // meta["BV"] if x_only else 0),
                          P * H)](
         seg_state=mx, seg_decay=seg_decay, TRANSITION=True, X_ONLY=x_only, **split,
-        **common)
+        # The transitions store no dh: no scale (and no second variant to build and tune).
+        **dict(common, dh_scale=None, DH_SCALED=False))
     # Segments listed last to first: the combine's "entering" state of each is the
     # gradient leaving it, and its final state the gradient of the initial state.
     leaving = combine_segment_states(mx, seg_decay, "delta" if w is not None else "scalar",

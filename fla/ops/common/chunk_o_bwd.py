@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
-from fla.ops.utils.tiles import check_kernel_device, tile_width
+from fla.ops.utils.tiles import check_buffer, check_kernel_device, tile_width
 from fla.ops.utils.two_term import two_term_dot
 from fla.utils import triton_facts
 from fla.utils.grid import cdiv
@@ -344,6 +344,11 @@ def chunk_bwd_dqkwg(
     BK = tile_width(K, 64)
     NK = cdiv(K, BK)
     dq = torch.empty_like(k)
+    if dh_scale is not None:
+        if dh.dtype != torch.float16:
+            raise ValueError("dh_scale: dh must be the reverse pass's scaled fp16, got "
+                             f"{dh.dtype}")
+        check_buffer("dh_scale", dh_scale, (*h.shape[:3], V), torch.float32, k.device)
     dk = torch.empty_like(k, dtype=k.dtype if dk_dtype is None else dk_dtype)
     dw = None if w is None else torch.empty_like(w)
     dg = torch.empty(NK, B, T, H, dtype=torch.float32, device=k.device) if g is not None else None

@@ -13,8 +13,9 @@ split few long sequences into segments, the state entering each segment ([P, H, 
 fp32). It recomputes the per-chunk states h and Vn, with the forward's own pass storing
 them instead of the output (``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ
 K S), no U formed; a split pass restarts every segment from its kept state, with no
-transitions or combine again) where the grid is full or the pass splits sequences, else
-with the staged pass over the WY factors W, U (``wy_fast``, ``chunk_delta_h``); then the
+transitions or combine again) for 16-bit inputs (see ``_backward``), and in fp32 where
+the grid is full or the pass splits sequences, else with the staged pass over the WY
+factors W, U (``wy_fast``, ``chunk_delta_h``); then the
 reverse state pass (split into the same segments where the forward split) and the
 gradient stages (``fla.ops.common``, ``wy_fast_bwd``).
 Storing h instead would cost [B, NT, H, K, V] per layer; Aqk, 64 values a token and head
@@ -107,10 +108,10 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     Emulated at 1x1000x2x128: dk 5.11e-3 -> 4.20e-3 (the pass alone 4.49e-3, the fp32
     partial alone 4.86e-3). Two terms in dqkwg's score gradient and the WY stage's dA chain
     too took it to 4.05e-3 but cost 0.15 + 0.21 ms of 3.77 at 1x8192x96x128 on the H200:
-    left out (benchmarks/NOTES.md, 2026-11-28 21:52-). With a gate, dh is also stored as
-    scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ = q·dq − k·dk cancels,
-    and at unit-norm queries the gated rule's dg reached 7.8e-3 (emulated, max over 40
-    seeds; 5.3e-3 with the two changes above, 3.8e-3 with the scaled dh too).
+    left out (benchmarks/NOTES.md, 2026-11-28 21:52-). With a gate in bf16, dh is also
+    stored as scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ = q·dq − k·dk
+    cancels, and at unit-norm queries the gated rule's dg reached 7.8e-3 (emulated, max
+    over 40 seeds; 5.3e-3 with the two changes above, 3.8e-3 with the scaled dh too).
     """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     two_term = k.dtype != torch.float32
@@ -128,9 +129,10 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                    chunk_size=CHUNK_SIZE, **varlen)
         del u
-    # With the gate, dh as scaled fp16 (see above).
+    # With the gate in bf16, dh as scaled fp16 (see above; fp16 inputs store dh in fp16
+    # anyway, where a power of two would change no bit in range).
     dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
-                if two_term and g_cum is not None else None)
+                if k.dtype == torch.bfloat16 and g_cum is not None else None)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,

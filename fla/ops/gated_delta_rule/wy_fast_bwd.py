@@ -63,7 +63,9 @@ def _wy_space(args) -> list[Config]:
             for bk in bks for bv in bvs for w in warps for s in (2, 3)]
 
 
-@tuned(key=["k", "A", "K", "V", "BT", "USE_G"], default=_wy_default, space=_wy_space)
+# ACCUMULATE adds into dk (in place where dk_acc is dk) and dg: tuning restores both.
+@tuned(key=["k", "A", "K", "V", "BT", "USE_G"], default=_wy_default, space=_wy_space,
+       restore=["dk", "dg"])
 @triton.jit(do_not_specialize=["T", "H"])
 def prepare_wy_repr_bwd_kernel(
     k, v, beta, g, A, dw, du, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
