@@ -507,37 +507,40 @@ def test_wy_repr_bwd(case, dtype, use_g, device, seed):
         assert dg is None
 
 
+def wy_accumulation_problem(dtype, device, gen):
+    """The varlen case's WY-stage inputs in ``dtype`` (a gate; random Ai, dW, dU): the
+    stage as a call taking extra keywords, and fp32 partials of dk and dγ to add."""
+    case = CASES[-1].values[0]                    # varlen
+    B, T, cu, _, k, v, beta, gam = wy_inputs(case, dtype, True, gen)
+    H, K, V = case["H"], case["K"], case["V"]
+    inputs = [to_dev(x, device) for x in (k, v, beta)] + [
+        randn((B, T, H, BT), gen, dtype, device), randn((B, T, H, K), gen, dtype, device),
+        randn((B, T, H, V), gen, dtype, device)]
+    kw = dict(g=to_dev(gam.float(), device), cu_seqlens=to_dev(cu, device))
+    dk_old = randn((B, T, H, K), gen, torch.float32, device)
+    dg_old = randn((B, T, H), gen, torch.float32, device)
+    return (lambda **extra: prepare_wy_repr_bwd(*inputs, **kw, **extra)), dk_old, dg_old
+
+
 @pytest.mark.interpret
 def test_wy_repr_bwd_adds_into_given_buffers(device, seed):
     """dk_acc / dg_acc in fp32 inputs: the WY part is added into them in place (the result
     is them, equal to the separate part plus their old value); a buffer the kernel would
     address wrongly is refused."""
-    gen = generator(seed)
-    case = CASES[-1].values[0]                    # varlen
-    B, T, cu, seqs, k, v, beta, gam = wy_inputs(case, torch.float32, True, gen)
-    H, K, V = case["H"], case["K"], case["V"]
-    args = [to_dev(x, device) for x in (k, v, beta)]
-    Ai = randn((B, T, H, BT), gen, torch.float32, device)
-    dw, du = randn((B, T, H, K), gen, torch.float32, device), randn((B, T, H, V), gen,
-                                                                     torch.float32, device)
-    kw = dict(g=to_dev(gam.float(), device), cu_seqlens=to_dev(cu, device))
-    dk_wy, dv, dbeta, dg_wy = prepare_wy_repr_bwd(*args, Ai, dw, du, **kw)
-    dk_old = randn((B, T, H, K), gen, torch.float32, device)
-    dg_old = randn((B, T, H), gen, torch.float32, device)
+    wy, dk_old, dg_old = wy_accumulation_problem(torch.float32, device, generator(seed))
+    dk_wy, dv, dbeta, dg_wy = wy()
     dk_acc, dg_acc = dk_old.clone(), dg_old.clone()
-    dk, dv2, dbeta2, dg = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc,
-                                              dg_acc=dg_acc, **kw)
+    dk, dv2, dbeta2, dg = wy(dk_acc=dk_acc, dg_acc=dg_acc)
     assert dk is dk_acc and dg is dg_acc
     assert_rel_close("dk", dk, dk_wy.double() + dk_old.double(), 1e-6)
     assert_rel_close("dg", dg, dg_wy.double() + dg_old.double(), 1e-6)
     assert torch.equal(dv, dv2) and torch.equal(dbeta, dbeta2)
     with pytest.raises(ValueError, match="dk_acc and dg_acc"):
-        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.clone(), **kw)
+        wy(dk_acc=dk_old.clone())
     with pytest.raises(ValueError, match="dk_acc: expected a contiguous"):
-        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.half(), dg_acc=dg_old, **kw)
+        wy(dk_acc=dk_old.half(), dg_acc=dg_old)
     with pytest.raises(ValueError, match="dg_acc: expected a contiguous"):
-        prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_old.clone(),
-                            dg_acc=dg_old[..., :1].expand_as(dg_old), **kw)
+        wy(dk_acc=dk_old.clone(), dg_acc=dg_old[..., :1].expand_as(dg_old))
 
 
 @pytest.mark.interpret
@@ -545,28 +548,16 @@ def test_wy_repr_bwd_adds_a_float32_partial_into_a_new_16_bit_dk(device, seed):
     """16-bit inputs: an fp32 dk_acc (dqkwg's partial, as the op passes it) is added as it
     is read and the sum rounded once into a new dk in k's dtype, the partial untouched; a
     dk_acc in k's dtype is still added in place."""
-    gen = generator(seed)
-    case = CASES[-1].values[0]                    # varlen
-    B, T, cu, seqs, k, v, beta, gam = wy_inputs(case, torch.float16, True, gen)
-    H, K, V = case["H"], case["K"], case["V"]
-    args = [to_dev(x, device) for x in (k, v, beta)]
-    Ai = randn((B, T, H, BT), gen, torch.float16, device)
-    dw, du = randn((B, T, H, K), gen, torch.float16, device), randn((B, T, H, V), gen,
-                                                                     torch.float16, device)
-    kw = dict(g=to_dev(gam.float(), device), cu_seqlens=to_dev(cu, device))
-    dk_wy, _, _, dg_wy = prepare_wy_repr_bwd(*args, Ai, dw, du, **kw)
-    dk_old = randn((B, T, H, K), gen, torch.float32, device)
-    dg_old = randn((B, T, H), gen, torch.float32, device)
+    wy, dk_old, dg_old = wy_accumulation_problem(torch.float16, device, generator(seed))
+    dk_wy, _, _, dg_wy = wy()
     dk_acc = dk_old.clone()
-    dk, _, _, dg = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc,
-                                       dg_acc=dg_old.clone(), **kw)
+    dk, _, _, dg = wy(dk_acc=dk_acc, dg_acc=dg_old.clone())
     assert dk is not dk_acc and dk.dtype == torch.float16 and torch.equal(dk_acc, dk_old)
     # dk_wy is itself rounded to fp16: the sum agrees to a few fp16 roundings.
     assert_rel_close("dk", dk, dk_wy.double() + dk_old.double(), 2e-3)
     assert_rel_close("dg", dg, dg_wy.double() + dg_old.double(), 1e-6)
     dk_acc16 = dk_old.half()
-    dk16, _, _, _ = prepare_wy_repr_bwd(*args, Ai, dw, du, dk_acc=dk_acc16,
-                                        dg_acc=dg_old.clone(), **kw)
+    dk16, _, _, _ = wy(dk_acc=dk_acc16, dg_acc=dg_old.clone())
     assert dk16 is dk_acc16
     assert_rel_close("dk", dk16, dk_wy.double() + dk_old.half().double(), 2e-3)
 
