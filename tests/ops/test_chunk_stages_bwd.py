@@ -597,8 +597,8 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
     varlen = dict(cu_seqlens=dev["cu"], chunk_indices=dev["ci"])
     dv_local = chunk_bwd_dv_local(dev["q"], dev["k"], dev["do"], g=dev["g"], scale=scale,
                                   **varlen)
-    # As the op does: in bf16 dh stored as scaled fp16; dk's partial in fp32, the WY part
-    # added to dqkwg's dk and dγ as it reads them.
+    # As the op does: in bf16 dh stored as scaled fp16 and dk's partial in fp32 (fp16: in
+    # fp16); the WY part added to dqkwg's dk and dγ as it reads them.
     dh_scale = (torch.empty(*dev["h"].shape[:3], V, dtype=torch.float32,
                             device=dev["h"].device) if dtype == torch.bfloat16 else None)
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
@@ -607,7 +607,8 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
         offsets=None if cu is None else cu.tolist(), dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(
         dev["q"], dev["k"], dev["vn"], dev["w"], dev["g"], dev["h"], dv2, dev["do"], dh,
-        scale=scale, dk_dtype=torch.float32, dh_scale=dh_scale, **varlen)
+        scale=scale, dk_dtype=None if dtype == torch.float16 else torch.float32,
+        dh_scale=dh_scale, **varlen)
     dk, dv, dbeta, dg = prepare_wy_repr_bwd(
         dev["k"], dev["v"], dev["beta"], dev["A"], dw, dv2, g=dev["g"], dk_acc=dk,
         dg_acc=dg, **varlen)

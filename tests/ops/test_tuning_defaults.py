@@ -495,8 +495,9 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
     split 1.01, 8x2048x32x256 1.47; 4x2048x16x128 staged). 2x16384x16x128 took the staged
     pass unsplit (0.73 against 0.55) until its forward split (2026-11-28): from the
     forward's segment states its recompute is 0.29 + 0.13 ms (profile_case), and the
-    op's fwd+bwd went 3.278 -> 3.171 ms. In 16 bits the forward's pass everywhere (the
-    staged pass's 16-bit U and W cost the bound; fla/ops/gated_delta_rule/chunk.py)."""
+    op's fwd+bwd went 3.278 -> 3.171 ms. In bf16 the forward's pass everywhere (the
+    staged pass's bf16 U and W cost the bound; fla/ops/gated_delta_rule/chunk.py); fp16
+    chooses as fp32 (its 11 bits keep the staged pass far inside the bound)."""
     from fla.ops.common import chunk_segments
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
     from fla.utils import grid
@@ -508,6 +509,8 @@ def test_backward_recomputes_states_where_it_measured_faster(monkeypatch):
         B, T, H, D = (int(x) for x in shape.split("x"))
         k = torch.empty(B, T, H, D, device="meta")
         assert gdn_chunk._states_from_the_forward_pass(k, k, None) is from_pass, shape
+        k16 = k.to(torch.float16)
+        assert gdn_chunk._states_from_the_forward_pass(k16, k16, None) is from_pass, shape
         k = k.to(torch.bfloat16)
         assert gdn_chunk._states_from_the_forward_pass(k, k, None), shape
 
@@ -717,7 +720,7 @@ def test_fused_recurrent_forward_defaults_on_thin_grids_follow_the_measured_best
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("few", [0, 1, 2])
 def test_sixteen_bit_backward_defaults_stay_in_their_space(D, few):
-    """The 16-bit delta rules' backward variants (the states pass on two-term dots, the
+    """The bf16 delta rules' backward variants (the states pass on two-term dots, the
     reverse pass and dqkwg with the scaled dh) have defaults of their own: each is a config
     of its kernel's space."""
     from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter, chunk_o_bwd

@@ -124,7 +124,7 @@ def _default(args) -> Config:
     if args["FORM_AQK"]:
         return Config(BV=64, BK=tile_width(args["K"], 64), num_warps=4, num_stages=2)
     if args.get("TWO_TERM") and args.get("STATES_ONLY", False):
-        # The backward's states pass with two-term dots (16-bit delta rules). Timed on the
+        # The backward's states pass with two-term dots (the bf16 delta rules). Timed on the
         # H200 (Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC): on a full grid 64
         # columns over 64 rows at three stages, 0.700 ms at 1x8192x96x128 against 0.910 at
         # 32 columns (the 64-column configs spill 72-320 B offline, and are faster all

@@ -154,7 +154,7 @@ def _dqkwg_default(args) -> Config:
     # operand tiles keep 4 warps under the register budget on H100.
     # K = 256: 3 stages (FLA_TUNE=1 on H100, Triton 3.6, bf16, 2026-11-24: 0.244 -> 0.227
     # ms at 4x4096x4x256, 1.838 -> 1.720 at 8x2048x32x256).
-    # With the scaled dh (the 16-bit scalar-gate backward's two-term dK state dot),
+    # With the scaled dh (the bf16 scalar-gate backward's two-term dK state dot),
     # three stages at every K (H200, Triton 3.6, bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC:
     # 1.389 -> 1.088 ms at 1x8192x96x128 from 32 columns and two stages, 1.793 -> 1.621 at
     # 8x2048x32x256 from 32 columns; offline BV = 64 spills 56-96 B, timed faster anyway).

@@ -13,7 +13,7 @@ split few long sequences into segments, the state entering each segment ([P, H, 
 fp32). It recomputes the per-chunk states h and Vn, with the forward's own pass storing
 them instead of the output (``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ
 K S), no U formed; a split pass restarts every segment from its kept state, with no
-transitions or combine again) for 16-bit inputs (see ``_backward``), and in fp32 where
+transitions or combine again) for bf16 inputs (see ``_backward``), and in fp32 where
 the grid is full or the pass splits sequences, else with the staged pass over the WY
 factors W, U (``wy_fast``, ``chunk_delta_h``); then the
 reverse state pass (split into the same segments where the forward split) and the
@@ -83,11 +83,12 @@ def _states_from_the_forward_pass(k, v, offsets) -> bool:
     some SM holds two programs, or where the pass would split few long sequences into
     segments, which the staged pass cannot (from the forward's segment states,
     1x65536x8x128 and 2x16384x16x128 each ~0.29 + 0.13 ms on H100, 2026-11-28).
-    And always for 16-bit inputs: the staged pass rounds U and W to 16 bits before
-    Vn = U − W S cancels them, which two-term dots cannot undo (emulated at T ~ 1000,
-    1x1000x2x64 with the backward's two-term dots: dk 4.84e-3 and, the gated rule at
-    weak decays, dg 5.99e-3 against 3.97e-3 and 4.54e-3 from the forward's pass)."""
-    if k.dtype != torch.float32:
+    And always for bf16 inputs: the staged pass rounds U and W to bf16 before Vn = U − W S
+    cancels them, which two-term dots cannot undo (emulated at T ~ 1000, 1x1000x2x64 with
+    the backward's two-term dots: dk 4.84e-3 and, the gated rule at weak decays, dg
+    5.99e-3 against 3.97e-3 and 4.54e-3 from the forward's pass). fp16's 11 bits need
+    neither (see ``_backward``)."""
+    if k.dtype == torch.bfloat16:
         return True
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -99,7 +100,7 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
               cu_seqlens, chunk_indices, offsets, do, dht, scale, g_dtype):
     """Gradients (dq, dk, dv, dg, dβ, dh0) from the forward's saved tensors.
 
-    16-bit inputs: with bf16 operands alone the delta rule's gradients missed the 5e-3
+    bf16 inputs: with bf16 operands alone the delta rule's gradients missed the 5e-3
     bound (dk 5.43e-3 at 2x1000x4x128 on the H200; the gated rule at weak decays alike, in
     the interpreter's emulation of the GPU's arithmetic). So the states are recomputed by
     the forward's pass (never the staged one, see ``_states_from_the_forward_pass``) with
@@ -112,15 +113,17 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     stored as scaled fp16 (11 significant bits for bf16's 8, same bytes): dγ = q·dq − k·dk
     cancels, and at unit-norm queries the gated rule's dg reached 7.8e-3 (emulated, max
     over 40 seeds; 5.3e-3 with the two changes above, 3.8e-3 with the scaled dh too).
+    fp16 inputs take none of this: their 11 bits leave dk at 0.64e-3 (emulated,
+    1x1000x2x128; 0.52e-3 with the two-term states pass, not worth its cost).
     """
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    two_term = k.dtype != torch.float32
+    bf16 = k.dtype == torch.bfloat16
     if _states_from_the_forward_pass(k, v, offsets):
         h, v_new = state_buffers(k, v, offsets, cu_seqlens is not None)
         chunk_gated_delta_rule_fwd_inter(None, k, v, g_cum, beta, A, None, scale,
                                          initial_state, cu_seqlens=cu_seqlens,
                                          offsets=offsets, states_out=(h, v_new),
-                                         segment_states=segment_states, two_term=two_term)
+                                         segment_states=segment_states, two_term=bf16)
         # W for the reverse pass's Wᵀ dVn. (Formed there from Ai and K instead, the pass
         # took 1.04 ms against 0.69 at 1x8192x96x128 on H100, more than W costs here.)
         w, _ = recompute_w_u_fwd(k, v, beta, A, g_cum, with_u=False, **varlen)
@@ -132,14 +135,15 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
     # With the gate in bf16, dh as scaled fp16 (see above; fp16 inputs store dh in fp16
     # anyway, where a power of two would change no bit in range).
     dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
-                if k.dtype == torch.bfloat16 and g_cum is not None else None)
+                if bf16 and g_cum is not None else None)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,
         segment_chunks=0 if segment_states is None else _forward_segment_chunks(k, v, offsets),
         offsets=offsets, segment_maps=segment_maps, dh_scale=dh_scale, **varlen)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g_cum, h, dv, do, dh, scale,
-                                     chunk_size=CHUNK_SIZE, dk_dtype=torch.float32,
+                                     chunk_size=CHUNK_SIZE,
+                                     dk_dtype=torch.float32 if bf16 else None,
                                      dh_scale=dh_scale, **varlen)
     # Dropped once their last stage has run: the WY stage holds no h, Vn, dh or W.
     del h, v_new, dh, dh_scale, w
