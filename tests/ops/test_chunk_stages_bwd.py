@@ -18,7 +18,7 @@ import torch
 import fla.ops.common.chunk_delta_h_bwd as dhu_module
 import fla.ops.common.chunk_o_bwd as o_bwd_module
 import fla.ops.gated_delta_rule.wy_fast_bwd as wy_bwd_module
-from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu, scaled_dh_buffer
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg, chunk_bwd_dv_local
 from fla.ops.gated_delta_rule.wy_fast_bwd import prepare_wy_repr_bwd
 from fla.ops.utils.index import prepare_chunk_indices
@@ -599,8 +599,7 @@ def chunked_backward(q, k, v, g, beta, h0, do, dht, scale, cu, seqs, NT, device,
                                   **varlen)
     # As the op does: in bf16 dh stored as scaled fp16 and dk's partial in fp32 (fp16: in
     # fp16); the WY part added to dqkwg's dk and dγ as it reads them.
-    dh_scale = (torch.empty(*dev["h"].shape[:3], V, dtype=torch.float32,
-                            device=dev["h"].device) if dtype == torch.bfloat16 else None)
+    dh_scale = scaled_dh_buffer(dev["k"], dev["g"], dev["h"])
     dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(
         dev["q"], dev["k"], dev["w"], dev["g"], dev["h0"], dev["dht"], dev["do"], dv_local,
         scale=scale, segment_chunks=segment_chunks,

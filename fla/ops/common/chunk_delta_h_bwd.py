@@ -48,7 +48,8 @@ from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.triton_facts import dot_precision, warp_choices
 from fla.utils.tuning import Config, tuned
 
-__all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel"]
+__all__ = ["chunk_gated_delta_rule_bwd_dhu", "chunk_gated_delta_rule_bwd_dhu_kernel",
+           "scaled_dh_buffer"]
 
 
 def _vector_gate_on_gated_operands(args) -> bool:
@@ -483,6 +484,20 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
         if K > 3 * BK:
             tl.store(p_dh0 + o_k4[:, None] * V, b_dh4.to(dh0.dtype.element_ty),
                      mask=m_k4[:, None] & m_v[None, :])
+
+
+def scaled_dh_buffer(k: torch.Tensor, g: torch.Tensor | None,
+                     h: torch.Tensor) -> torch.Tensor | None:
+    """The ``dh_scale`` buffer ``[B, NT, H, V]`` float32 for the reverse pass where a scaled
+    fp16 dh pays, else None: bf16 inputs with a scalar gate (``h [B, NT, H, K, V]`` the
+    per-chunk states, for the sizes). There dγ = q·dq − k·dk cancels, and bf16's rounding
+    of dh in k's state term took dg past 5e-3 at unit-norm queries (emulated: the gated
+    delta rule 7.8e-3, simple GLA 5.8e-3; benchmarks/NOTES.md, 2026-11-28 19:15- and
+    21:52-). fp16 inputs store dh in fp16 anyway, where a power of two changes no bit in
+    range; fp32 keeps fp32's dh."""
+    if g is None or g.dim() != 3 or k.dtype != torch.bfloat16:
+        return None
+    return torch.empty(*h.shape[:3], h.shape[-1], dtype=torch.float32, device=k.device)
 
 
 def chunk_gated_delta_rule_bwd_dhu(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu, scaled_dh_buffer
 from fla.ops.common.chunk_o_bwd import chunk_bwd_dqkwg
 from fla.ops.common import chunk_torch
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -132,10 +132,7 @@ def _backward(q, k, v, g_cum, beta, A, Aqk, segment_states, segment_maps, initia
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k, w, u, g_cum, initial_state, False,
                                                    chunk_size=CHUNK_SIZE, **varlen)
         del u
-    # With the gate in bf16, dh as scaled fp16 (see above; fp16 inputs store dh in fp16
-    # anyway, where a power of two would change no bit in range).
-    dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
-                if bf16 and g_cum is not None else None)
+    dh_scale = scaled_dh_buffer(k, g_cum, h)   # with the gate in bf16 (see above)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, w, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE, Aqk=Aqk,

@@ -25,7 +25,7 @@ import torch
 
 from fla.ops.common import chunk_torch
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu
+from fla.ops.common.chunk_delta_h_bwd import chunk_gated_delta_rule_bwd_dhu, scaled_dh_buffer
 from fla.ops.common.chunk_fwd_inter import (
     MAX_K_FORMING_SCORES,
     chunk_gated_delta_rule_fwd_inter,
@@ -143,12 +143,8 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
         h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, save_new_value=False,
                                                **varlen)
-    # With the gate in bf16, dh in fp16 scaled per chunk: dγ = q·dq − k·dk cancels, and
-    # bf16's rounding of dh in k's state term took it past 5e-3 (emulated, unit-norm
-    # queries: up to 5.8e-3; 2026-11-28 19:15- in benchmarks/NOTES.md). fp16 inputs store
-    # dh in fp16 anyway, where a power of two would change no bit in range.
-    dh_scale = (torch.empty(*h.shape[:3], v.shape[-1], dtype=torch.float32, device=k.device)
-                if g_cum is not None and k.dtype == torch.bfloat16 else None)
+    # With the gate in bf16, dh as fp16 scaled per chunk (see scaled_dh_buffer).
+    dh_scale = scaled_dh_buffer(k, g_cum, h)
     # Where the forward split few long sequences, so does the reverse pass (same segments).
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
         q, k, None, g_cum, initial_state, dht, do, None, scale, chunk_size=CHUNK_SIZE,
