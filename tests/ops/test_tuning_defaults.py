@@ -216,6 +216,27 @@ WIDE_PASS_MS = {
 }
 
 
+# Above K = 128 in bf16, on an H200 (Triton 3.6, FLA_TUNE=1, 2026-11-29 00:40 UTC; each
+# whole space at 8x2048x32x256, ms): the reverse pass with the scaled dh, with W (the gated
+# delta rule) and without (simple GLA), by (BV, warps, stages); simple GLA's pass (no
+# delta) by (BK, BV, warps, stages); the W-only recompute by (BD, warps, stages).
+WIDE_H200_MS = {
+    "dhu W scaled": {(64, 8, 2): 1.6498, (64, 4, 2): 2.4563, (32, 4, 2): 2.4826,
+                     (32, 8, 2): 2.8993, (32, 2, 2): 45.89, (64, 2, 2): 58.14},
+    "dhu scaled": {(64, 8, 2): 1.4955, (64, 4, 2): 1.5265, (32, 4, 2): 2.0825,
+                   (32, 8, 2): 2.5031, (32, 2, 2): 27.17, (64, 2, 2): 29.45},
+    "inter no delta": {(128, 64, 8, 2): 1.0224, (64, 64, 8, 2): 1.0786,
+                       (128, 32, 4, 2): 1.2594, (128, 32, 4, 1): 1.2856,
+                       (64, 32, 4, 2): 1.3934, (64, 32, 4, 1): 1.8890},
+    "w only": {(64, 8, 3): 0.1729, (64, 8, 2): 0.1733, (128, 2, 3): 0.1759,
+               (128, 2, 2): 0.1764, (64, 4, 3): 0.1807, (64, 4, 2): 0.1811,
+               (128, 4, 3): 0.1898, (128, 4, 2): 0.1900, (32, 4, 2): 0.1953,
+               (32, 4, 3): 0.1953, (32, 2, 3): 0.1986, (32, 2, 2): 0.1991,
+               (64, 2, 3): 0.2006, (64, 2, 2): 0.2014, (128, 8, 2): 0.2078,
+               (128, 8, 3): 0.2085, (32, 8, 2): 0.2527, (32, 8, 3): 0.2528},
+}
+
+
 def _dims(shape: str):
     B, _, H, D = (int(x) for x in shape.split("x"))
     return D, grid_fill(B * H * -(-D // 64), SMS)
@@ -284,7 +305,8 @@ def test_wide_forward_pass_default_follows_the_measured_best():
 def test_wide_forward_pass_leaves_eight_warps_where_triton_cannot_build_them(monkeypatch,
                                                                             ok):
     """Triton 3.3.1 aborts building the K = 256 output pass at 8 warps (offline sm_90,
-    2026-11-27): there neither its default nor its space has 8 warps, nor do fp32
+    2026-11-27): there neither its default (with the delta or without) nor its space has
+    8 warps, nor do fp32
     operands (their two stages would not fit the shared memory), nor a split's passes
     (whose launch model counts 32-column programs), the backward's states pass or thin
     grids, whose rules were not timed."""
@@ -295,9 +317,9 @@ def test_wide_forward_pass_leaves_eight_warps_where_triton_cannot_build_them(mon
     assert (inter._default(dict(base, k=BF16)).num_warps == 8) == ok
     assert (8 in {c.num_warps for c in inter._space(dict(base, k=BF16))}) == ok
     assert 8 not in {c.num_warps for c in inter._space(dict(base, k=FP32))}
+    assert (inter._default(dict(base, k=BF16, DELTA=False)).num_warps == 8) == ok
     for other in (dict(k=FP32), dict(k=BF16, TRANSITION=True), dict(k=BF16, STATES_ONLY=True),
-                  dict(k=BF16, FEW_PROGRAMS=1), dict(k=BF16, DELTA=False),
-                  dict(k=BF16, SPLIT=True)):
+                  dict(k=BF16, FEW_PROGRAMS=1), dict(k=BF16, SPLIT=True)):
         assert inter._default(dict(base, **other)).num_warps == 4, other
 
 
@@ -736,3 +758,39 @@ def test_sixteen_bit_backward_defaults_stay_in_their_space(D, few):
                 in chunk_delta_h_bwd._dhu_space(dhu)), dhu
     dqkwg = dict(K=D, V=D, BT=64, BK=64, k=BF16, USE_G=True, USE_W=True, DH_SCALED=True)
     assert chunk_o_bwd._dqkwg_default(dqkwg) in chunk_o_bwd._dqkwg_space(dqkwg), dqkwg
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_wide_bf16_defaults_follow_the_measured_best_on_the_h200(monkeypatch, ok):
+    """Above K = 128 in bf16: the reverse pass with the scaled dh and simple GLA's pass
+    take 64 columns at 8 warps where this Triton builds them (4 warps where it does not),
+    the W-only recompute 64-wide tiles at three stages."""
+    from fla.ops.common import chunk_delta_h_bwd, chunk_fwd_inter
+    from fla.ops.gated_delta_rule import wy_fast
+    from fla.utils import triton_facts
+    monkeypatch.setattr(triton_facts, "WIDE_STMATRIX_8_WARPS_OK", ok)
+    for with_w in (True, False):
+        args = dict(K=256, V=256, BT=64, k=BF16, USE_W=with_w, USE_GK=None,
+                    GATED_OPERANDS=None, FEW_PROGRAMS=0, DH_SCALED=True)
+        config = chunk_delta_h_bwd._dhu_default(args)
+        assert config in chunk_delta_h_bwd._dhu_space(args), config
+        times = WIDE_H200_MS["dhu W scaled" if with_w else "dhu scaled"]
+        entry = (config.meta["BV"], config.num_warps, config.num_stages)
+        if ok:
+            _follows_the_best(("dhu", with_w), times, config,
+                              chunk_delta_h_bwd._dhu_space(args), entry)
+        else:
+            assert config.num_warps == 4, config
+    args = dict(K=256, V=256, k=BF16, DELTA=False, FORM_AQK=False, TRANSITION=False,
+                FEW_PROGRAMS=0)
+    config = chunk_fwd_inter._default(args)
+    entry = (config.meta["BK"], config.meta["BV"], config.num_warps, config.num_stages)
+    if ok:
+        _follows_the_best("inter", WIDE_H200_MS["inter no delta"], config,
+                          chunk_fwd_inter._space(args), entry)
+    else:
+        assert config.num_warps == 4 and config in chunk_fwd_inter._space(args), config
+    args = dict(K=256, V=256, BT=64, k=BF16, WITH_U=False)
+    config = wy_fast._default(args)
+    _follows_the_best("w only", WIDE_H200_MS["w only"], config, wy_fast._space(args),
+                      (config.meta["BD"], config.num_warps, config.num_stages))

@@ -96,6 +96,14 @@ def _dhu_default(args) -> Config:
         scalar_without_w = (not args.get("USE_GK") and not args["USE_W"]
                             and sixteen_bit(args))
         wide = args["K"] <= 128 or gated_gk or scalar_without_w
+        if (args["K"] > 128 and args.get("DH_SCALED") and not args.get("USE_GK")
+                and not few and 8 in warp_choices(stmatrix_prone=True)):
+            # dh stored scaled (bf16, scalar gate) on a full grid: 64 columns at 8 warps
+            # and two stages. H200 (Triton 3.6, bf16, FLA_TUNE=1, 2026-11-29 00:40 UTC),
+            # 8x2048x32x256: with W 1.650 ms against 2.483 at 32 columns / 4 warps and
+            # 2.456 at 64 / 4; without W (simple GLA) 1.496 against 1.527 at 64 / 4.
+            return Config(BV=tile_width(args["V"], 64), BK=bk, num_warps=8,
+                          num_stages=min(_dhu_stages(args)))
         return Config(BV=tile_width(args["V"], 64 if wide else 32), BK=bk, num_warps=4,
                       num_stages=min(_dhu_stages(args)))
     thin = few == 2

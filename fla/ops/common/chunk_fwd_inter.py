@@ -137,15 +137,18 @@ def _default(args) -> Config:
                       num_stages=3 if args["K"] <= 128 else 2)
     few = args.get("FEW_PROGRAMS", 0) if args["DELTA"] else 0
     if args["K"] > 128:
-        if (args["DELTA"] and not few and not args["TRANSITION"]
+        if (not few and not args["TRANSITION"]
                 and not args.get("SPLIT", False) and not args.get("STATES_ONLY", False)
                 and sixteen_bit(args) and 8 in warp_choices(stmatrix_prone=True)):
-            # The output pass with the delta on a full grid: 64 columns at 8 warps, half
-            # the programs re-reading each chunk's [64, K] Q and K tiles through L2 (H100,
-            # Triton 3.6, bf16, 8x2048x32x256, each config forced in its own process, the
-            # op's forward: 2.061 ms against 2.684 at 32 columns / 4 warps, 2.159 at 64
-            # rows; 32 columns at one stage 2.548, 64 at 4 warps one stage 2.504). Not a
-            # split's output pass (untimed there; its launch model counts 32 columns).
+            # The output pass on a full grid: 64 columns at 8 warps, half the programs
+            # re-reading each chunk's [64, K] Q and K tiles through L2. With the delta
+            # (H100, Triton 3.6, bf16, 8x2048x32x256, each config forced in its own
+            # process, the op's forward): 2.061 ms against 2.684 at 32 columns / 4 warps,
+            # 2.159 at 64 rows; 32 columns at one stage 2.548, 64 at 4 warps one stage
+            # 2.504. Without it (simple GLA's pass; H200, Triton 3.6, bf16, FLA_TUNE=1,
+            # 2026-11-29 00:40 UTC, 8x2048x32x256): 1.022 ms against 1.259 at 32 columns /
+            # 4 warps. Not a split's output pass (untimed there; its launch model counts
+            # 32 columns).
             return Config(BV=tile_width(args["V"], 64), BK=tile_width(args["K"], 128),
                           num_warps=8, num_stages=2)
         return Config(BV=tile_width(args["V"], 32),
