@@ -20,6 +20,7 @@ from fla.ops.common.chunk_delta_h import (
     row_blocks,
 )
 from fla.ops.common.chunk_o import chunk_fwd_o, chunk_fwd_o_kernel
+from fla.ops.common.chunk_torch import chunk_fwd_o_torch
 from fla.ops.common.chunk_scaled_dot_kkt import (
     chunk_scaled_dot_kkt_fwd,
     chunk_scaled_dot_kkt_fwd_kernel,
@@ -143,9 +144,12 @@ def ref_fwd_h(k, w, u, gc, h0, offsets, BT):
     return h, v_new, torch.stack(S)
 
 
-def ref_fwd_o(q, k, vn, h, gc, scale, offsets, BT):
+def ref_fwd_o(q, k, vn, h, gc, scale, offsets, BT, with_scores=False):
+    """o (float64), and with ``with_scores`` also the causal gated scores ``[B, T, H, BT]``
+    (row t: token t's scores against its chunk's tokens)."""
     B, T, H, _ = q.shape
     o = torch.zeros(*vn.shape, dtype=F64, device=q.device)
+    A = torch.zeros(B, T, H, BT, dtype=F64, device=q.device)
     spans = list(chunk_spans(B, T, offsets, BT))
     NT = len(spans) if offsets is not None else len(spans) // B
     for i, (b, _, s, e) in enumerate(spans):
@@ -161,7 +165,8 @@ def ref_fwd_o(q, k, vn, h, gc, scale, offsets, BT):
             inter = torch.einsum("ihk,hkv->ihv", qq, S)
             scores = scores.tril()
         o[b, s:e] = scale * (inter + torch.einsum("hij,jhv->ihv", scores, vv))
-    return o
+        A[b, s:e, :, :e - s] = scores.permute(1, 0, 2)
+    return (o, A) if with_scores else o
 
 
 def recurrence_loop(q, k, v, g, beta, scale, h0, offsets):
@@ -360,8 +365,26 @@ def test_fwd_o(device, seed, dtype, case, gated):
     o = chunk_fwd_o(p["q"], p["k"], v_new, h, g=gc, scale=p["scale"],
                     cu_seqlens=p["cu_seqlens"], chunk_size=p["BT"])
     assert o.dtype == dtype
-    ref = ref_fwd_o(p["q"], p["k"], v_new, h, gc, p["scale"], p["offsets"], p["BT"])
+    ref, ref_scores = ref_fwd_o(p["q"], p["k"], v_new, h, gc, p["scale"], p["offsets"],
+                                p["BT"], with_scores=True)
     assert_rel_close("o", o, ref, tol(dtype))
+    # Asked for, the scores come out beside the same output (kernel and PyTorch path).
+    for path in ("kernel", "torch"):
+        scores = torch.full((*p["q"].shape[:3], p["BT"]), float("nan"), dtype=dtype,
+                            device=device)
+        if path == "kernel":
+            o_s = chunk_fwd_o(p["q"], p["k"], v_new, h, g=gc, scale=p["scale"],
+                              cu_seqlens=p["cu_seqlens"], chunk_size=p["BT"],
+                              scores_out=scores)
+            assert torch.equal(o_s, o)
+        else:
+            o_s = chunk_fwd_o_torch(p["q"], p["k"], v_new, h, gc, p["scale"], p["offsets"],
+                                    p["BT"], scores_out=scores)
+            assert_rel_close("o (torch)", o_s, ref, tol(dtype))
+        assert_rel_close(f"scores ({path})", scores, ref_scores, tol(dtype))
+    with pytest.raises(ValueError, match="scores_out"):
+        chunk_fwd_o(p["q"], p["k"], v_new, h, g=gc, cu_seqlens=p["cu_seqlens"],
+                    chunk_size=p["BT"], scores_out=torch.empty(1, device=device, dtype=dtype))
 
 
 # ------------------------------------------------------------------------- end to end

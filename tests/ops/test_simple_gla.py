@@ -108,15 +108,15 @@ def test_scores_kept_only_for_a_backward(varlen, device, seed):
     chunks = None if cu is None else prepare_chunk_indices(cu, 64)
     offsets = None if cu is None else cu.tolist()
     args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], 0.25, True)
-    o0, ht0, _, none, _ = simple_gla_chunk._forward(*args, False, cu, chunks, offsets)
-    o, ht, g_cum, Aqk, segment_states = simple_gla_chunk._forward(*args, True, cu, chunks,
-                                                                  offsets)
-    assert none is None and Aqk.shape == (*x["k"].shape[:3], 64)
+    o0, ht0, _, none, _, _ = simple_gla_chunk._forward(*args, False, cu, chunks, offsets)
+    o, ht, g_cum, Aqk, segment_states, h = simple_gla_chunk._forward(*args, True, cu, chunks,
+                                                                     offsets)
+    assert none is None and h is None and Aqk.shape == (*x["k"].shape[:3], 64)
     assert torch.equal(o0, o) and torch.equal(ht0, ht)
     do = randn(o.shape, gen, torch.float32).to(device)
     dht = randn(ht.shape, gen, torch.float32).to(device)
     bwd = (x["q"], x["k"], x["v"], g_cum)
-    rest = (segment_states, x["initial_state"], cu, chunks, offsets, do, dht, 0.25,
+    rest = (segment_states, None, x["initial_state"], cu, chunks, offsets, do, dht, 0.25,
             torch.float32)
     kept = simple_gla_chunk._backward(*bwd, Aqk, *rest)
     formed = simple_gla_chunk._backward(*bwd, None, *rest)
@@ -164,9 +164,49 @@ def test_forward_without_gradients_above_k128(dtype, device, seed, monkeypatch):
     assert_rel_close("o", o, o_ref, TOLERANCE[dtype])
     assert_rel_close("final_state", ht, ht_ref, TOLERANCE[dtype])
     o_grad, ht_grad = chunk_simple_gla(args[0].requires_grad_(), *args[1:], **kwargs)
-    assert staged == [1]  # the forward feeding a backward keeps the intra kernel's scores
+    assert staged == [1, 1]  # the forward feeding a backward is staged too
     assert_rel_close("o vs the forward keeping scores", o, o_grad, TOLERANCE[dtype])
     assert_rel_close("final_state vs it", ht, ht_grad, TOLERANCE[dtype])
+
+
+@pytest.mark.interpret
+def test_staged_forward_feeds_its_backward_above_k128(device, seed, monkeypatch):
+    """Above K = 128 a forward feeding a backward is staged too: the output kernel writes
+    the scores (equal to the intra kernel's) and the states are kept, so the backward runs
+    no state pass of its own and gives the gradients it gives recomputing them (bit for
+    bit), and those of the float64 loop over packed uneven sequences."""
+    from fla.ops.common.chunk_fwd_intra import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+    from fla.ops.utils.index import prepare_chunk_indices
+    monkeypatch.setattr(simple_gla_chunk, "_pass_would_split", lambda *a: False)
+    gen = generator(seed)
+    lengths = uneven_lengths(3, gen, low=1, high=150)
+    inputs = make_inputs(gen, B=1, T=sum(lengths), H=1, HV=1, K=160, V=48, N=3, gamma=True)
+    cu = cu_seqlens_of(lengths, device)
+    compare(inputs, torch.float16, device, fn=chunk_simple_gla, gen=gen, cu_seqlens=cu)
+
+    x = {n: None if t is None else t.to(torch.float32).to(device) for n, t in inputs.items()}
+    chunks, offsets = prepare_chunk_indices(cu, 64), cu.tolist()
+    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], 0.25, True)
+    o, ht, g_cum, Aqk, segment_states, h = simple_gla_chunk._forward(*args, True, cu, chunks,
+                                                                     offsets)
+    assert segment_states is None and h is not None
+    _, _, intra_scores = chunk_gated_delta_rule_fwd_intra(
+        x["q"], x["k"], x["g"], None, cu_seqlens=cu, chunk_indices=chunks, delta=False)
+    assert_rel_close("scores", Aqk, intra_scores, TOLERANCE[torch.float32])
+    state_passes = []
+    state_pass = simple_gla_chunk.chunk_gated_delta_rule_fwd_h
+    monkeypatch.setattr(simple_gla_chunk, "chunk_gated_delta_rule_fwd_h",
+                        lambda *a, **kw: state_passes.append(1) or state_pass(*a, **kw))
+    do = randn(o.shape, gen, torch.float32).to(device)
+    dht = randn(ht.shape, gen, torch.float32).to(device)
+    tail = (x["initial_state"], cu, chunks, offsets, do, dht, 0.25, torch.float32)
+    kept = simple_gla_chunk._backward(x["q"], x["k"], x["v"], g_cum, Aqk, None, h, *tail)
+    assert state_passes == []
+    again = simple_gla_chunk._backward(x["q"], x["k"], x["v"], g_cum, Aqk, None, None, *tail)
+    assert state_passes == [1]
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), kept, again):
+        assert torch.equal(a, b), name
 
 
 def test_staged_forward_only_where_the_pass_would_not_split(monkeypatch):
@@ -196,8 +236,8 @@ def test_backward_without_scores_above_k128_is_refused():
     q = k = torch.zeros(1, 8, 1, 160)
     v = do = torch.zeros(1, 8, 1, 16)
     with pytest.raises(RuntimeError, match="above K = 128"):
-        simple_gla_chunk._backward(q, k, v, None, None, None, None, None, None, None, do, None,
-                                   1.0, None)
+        simple_gla_chunk._backward(q, k, v, None, None, None, None, None, None, None, None,
+                                   do, None, 1.0, None)
 
 
 @pytest.mark.interpret
@@ -336,6 +376,7 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
         chunk_delta_h_bwd,
         chunk_fwd_inter,
         chunk_fwd_intra,
+        chunk_o,
         chunk_o_bwd,
     )
     from tests.ops.config_sweep import launched_stages, sweep_configs
@@ -356,7 +397,9 @@ def test_every_tuning_config_of_the_simple_gla_kernels(D, seed, monkeypatch):
         o, ht, grads = run(chunk_simple_gla, cuda, do, dht)
         return [o, ht] + [grads[n] for n in ("q", "k", "v", "g", "initial_state")]
 
-    modules = (chunk_fwd_intra, chunk_fwd_inter, chunk_delta_h, chunk_delta_h_bwd, chunk_o_bwd)
+    # (Above K = 128 the forward is staged: chunk_o writes the output and the scores.)
+    modules = (chunk_fwd_intra, chunk_fwd_inter, chunk_delta_h, chunk_delta_h_bwd, chunk_o,
+               chunk_o_bwd)
     launched = launched_stages(monkeypatch, modules, call, refs, 2e-2)
     failures = sweep_configs(monkeypatch, launched, min_configs=2)
     assert not failures, "\n".join(failures)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from fla.ops.common.chunk_torch import chunk_fwd_o_torch
 from fla.ops.utils.index import locate_chunk, varlen_chunk_indices
-from fla.ops.utils.tiles import check_chunk_size, sixteen_bit, tile_width
+from fla.ops.utils.tiles import check_buffer, check_chunk_size, sixteen_bit, tile_width
 from fla.utils.backend import Backend, select_backend
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import dot_precision
@@ -57,12 +57,13 @@ def _space(args) -> list[Config]:
 @tuned(key=["K", "V", "BT", "q"], default=_default, space=_space)
 @triton.jit(do_not_specialize=["T", "H"])
 def chunk_fwd_o_kernel(
-    q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, h, g, o, Aqk, cu_seqlens, chunk_indices, scale, T,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_AQK: tl.constexpr = False,
 ):
-    """One program per (V tile, chunk, batch·head)."""
+    """One program per (V tile, chunk, batch·head); with ``STORE_AQK`` the first V tile's
+    programs also write the chunk's causal gated scores to ``Aqk [B, T, H, BT]``."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     # The grid's chunk index over all chunks: h is [B, NT, H, K, V] ([1, NT_total, ...] varlen).
@@ -104,6 +105,10 @@ def chunk_fwd_o_kernel(
         b_o *= tl.exp(b_g)[:, None]
         b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_A = tl.where(m_A, b_A, 0.)
+    if STORE_AQK:
+        if i_v == 0:
+            tl.store(Aqk + (row0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
+                     b_A.to(Aqk.dtype.element_ty), mask=m_t[:, None])
 
     o_tv = (row0 * H + i_h) * V + o_t[:, None] * (H * V) + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
@@ -122,6 +127,7 @@ def chunk_fwd_o(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
+    scores_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The chunked output, ``O = scale·[(Q ⊙ exp(γ)) S + (Q Kᵀ ⊙ Γ ⊙ causal) Vn]`` with
     the causal mask including the diagonal.
@@ -136,6 +142,10 @@ def chunk_fwd_o(
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (B == 1).
         chunk_size: BT, a power of two in [16, 256].
         chunk_indices: ``[NT, 2]`` varlen chunk table (built here when None).
+        scores_out: optional ``[B, T, H, BT]`` buffer in q's dtype that receives the
+            scores ``Q Kᵀ ⊙ Γ ⊙ causal`` (unscaled; row t holds token t's scores within
+            its chunk), as simple GLA's backward reads them: formed here anyway, so a
+            forward feeding a backward needs no scores kernel of its own.
 
     Returns:
         o: ``[B, T, H, V]`` in v_new's dtype.
@@ -166,9 +176,11 @@ def chunk_fwd_o(
         dims["NT"] = sum(-(-(e - s) // BT) for s, e in zip(offsets[:-1], offsets[1:]))
     dims.source["NT"] = f"the number of chunks of size {BT}"
     check_shape("h", h, "B NT H K V", dims)
+    if scores_out is not None:
+        check_buffer("scores_out", scores_out, (B, T, H, BT), q.dtype, q.device)
 
     if select_backend(q, k, v_new, h, g) is Backend.TORCH:
-        return chunk_fwd_o_torch(q, k, v_new, h, g, scale, offsets, BT)
+        return chunk_fwd_o_torch(q, k, v_new, h, g, scale, offsets, BT, scores_out)
 
     q, k, v_new, h = q.contiguous(), k.contiguous(), v_new.contiguous(), h.contiguous()
     g = None if g is None else g.contiguous()
@@ -180,9 +192,9 @@ def chunk_fwd_o(
     NT = dims["NT"]
     o = torch.empty_like(v_new)
     chunk_fwd_o_kernel[lambda meta: (cdiv(V, meta["BV"]), NT, B * H)](
-        q=q, k=k, v=v_new, h=h, g=g, o=o, cu_seqlens=cu_seqlens,
+        q=q, k=k, v=v_new, h=h, g=g, o=o, Aqk=scores_out, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=BT,
         USE_G=g is not None, IS_VARLEN=offsets is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), STORE_AQK=scores_out is not None,
     )
     return o

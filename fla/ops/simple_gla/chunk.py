@@ -15,9 +15,11 @@ segments, segment by segment from the states entering them, which the forward ke
 then the reverse state pass (``chunk_delta_h_bwd`` without W, split into the same
 segments; dV's in-chunk part scale·Aqkᵀ dO from the stored scores) and dQ, dK, dγ
 (``chunk_bwd_dqkwg`` without W); ∂L/∂g is the reverse chunk-local cumsum of ∂L/∂γ.
-Above K = 128 the scores come from ``chunk_fwd_intra`` instead, and a forward that feeds
-no backward runs in two stages: the state entering each chunk (``chunk_delta_h``), then
-every chunk's output in parallel (``chunk_o``).
+Above K = 128 (unless the pass would split few long sequences) the forward runs in two
+stages: the state entering each chunk (``chunk_delta_h``), then every chunk's output in
+parallel (``chunk_o``), which also writes the scores when a backward will follow; that
+backward reads the forward's states instead of recomputing them. Where the pass splits,
+the scores come from ``chunk_fwd_intra``.
 """
 from __future__ import annotations
 
@@ -56,39 +58,43 @@ CHUNK_SIZE = 64
 # simple_gla``): forward 0.454 ms against 0.517 at 1x8192x96x128, fwd+bwd 2.044 against
 # 2.093; 0.557 / 2.500 either way at 4x4096x64x128.
 SCORES_IN_PASS_MAX_K = MAX_K_FORMING_SCORES
-# Without a backward to feed, above this K the forward stores each chunk's entering state
-# (``chunk_delta_h``, K and V in 64-wide tiles over many programs) and then computes every
-# chunk's output in parallel (``chunk_o``), instead of the intra kernel and the pass
-# holding a K x 32 state: H100, 8x2048x32x256 bf16, 0.70 + 0.88 ms of kernels against
-# 0.36 + 1.66, for a transient h as large as q, k, v and o together. Not when the fused
-# pass would split few long sequences into segments: the staged state pass cannot.
+# Above this K the forward stores each chunk's entering state (``chunk_delta_h``, K and V
+# in 64-wide tiles over many programs) and then computes every chunk's output in parallel
+# (``chunk_o``), instead of the intra kernel and the pass holding a K x 32 state: H100,
+# 8x2048x32x256 bf16, 0.70 + 0.88 ms of kernels against 0.36 + 1.66, for an h as large
+# as q, k, v and o together. Not when the fused pass would split few long sequences into
+# segments: the staged state pass cannot. With a backward to feed, ``chunk_o`` writes the
+# scores too and h is kept for it (H200, 8x2048x32x256: the staged forward ~1.06 ms of
+# kernels against 0.15 + 1.02 for the scores kernel and the pass, and the backward's
+# 0.44 ms state pass saved; +512 MiB held from forward to backward).
 STAGED_FORWARD_ABOVE_K = 128
 
 
 def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, cu_seqlens,
              chunk_indices, offsets):
-    """``(o, final_state, γ, Aqk, segment_states)``; Aqk (the scores, for the backward) is
-    None unless ``save_scores``, or K > SCORES_IN_PASS_MAX_K and the staged forward was not
-    taken; segment_states (the state entering each segment where the pass split the
-    sequences) None where it did not split."""
+    """``(o, final_state, γ, Aqk, segment_states, h)``; Aqk (the scores, for the backward)
+    is None unless ``save_scores``, or K > SCORES_IN_PASS_MAX_K and the staged forward was
+    not taken; segment_states (the state entering each segment where the pass split the
+    sequences) None where it did not split; h (the state entering each chunk) None unless
+    the staged forward ran with ``save_scores``."""
     K = k.shape[-1]
-    staged = K > STAGED_FORWARD_ABOVE_K and not save_scores and not _pass_would_split(
-        k, v, offsets)
+    staged = _staged(k, v, offsets)
     scores_out = None
     if staged or K <= SCORES_IN_PASS_MAX_K:
         g_cum = None if g is None else chunk_local_cumsum_fwd(
             g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, offsets=offsets)
+    if save_scores and (staged or K <= SCORES_IN_PASS_MAX_K):
+        scores_out = k.new_empty(*k.shape[:-1], CHUNK_SIZE)
     if staged:
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         h, _, final_state = chunk_gated_delta_rule_fwd_h(
             k, None, v, g_cum, initial_state, output_final_state, chunk_size=CHUNK_SIZE,
             save_new_value=False, **varlen)
-        o = chunk_fwd_o(q, k, v, h, g_cum, scale, chunk_size=CHUNK_SIZE, **varlen)
-        return o, final_state, g_cum, None, None
+        o = chunk_fwd_o(q, k, v, h, g_cum, scale, chunk_size=CHUNK_SIZE,
+                        scores_out=scores_out, **varlen)
+        return o, final_state, g_cum, scores_out, None, h if save_scores else None
     if K <= SCORES_IN_PASS_MAX_K:
         Aqk = None
-        if save_scores:
-            scores_out = k.new_empty(*k.shape[:-1], CHUNK_SIZE)
     else:
         g_cum, _, Aqk = chunk_gated_delta_rule_fwd_intra(
             q, k, g, None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, delta=False)
@@ -97,7 +103,13 @@ def _forward(q, k, v, g, initial_state, scale, output_final_state, save_scores, 
         cu_seqlens=cu_seqlens, offsets=offsets, scores_out=scores_out,
         segment_chunks=_segment_chunks(k, v, offsets), return_segment_states=True,
         lead_chunks=None)
-    return o, final_state, g_cum, Aqk if scores_out is None else scores_out, segment_states
+    return (o, final_state, g_cum, Aqk if scores_out is None else scores_out,
+            segment_states, None)
+
+
+def _staged(k, v, offsets) -> bool:
+    """Whether the forward runs as the state pass then the parallel output kernel."""
+    return k.shape[-1] > STAGED_FORWARD_ABOVE_K and not _pass_would_split(k, v, offsets)
 
 
 def _segment_chunks(k, v, offsets) -> int:
@@ -115,9 +127,10 @@ def _pass_would_split(k, v, offsets) -> bool:
     return default_segment_chunks(offsets, B, T, H, K, v.shape[-1], False, False) > 0
 
 
-def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, chunk_indices,
-              offsets, do, dht, scale, g_dtype):
-    """Gradients (dq, dk, dv, dg, dh0) from the forward's saved tensors."""
+def _backward(q, k, v, g_cum, Aqk, segment_states, h, initial_state, cu_seqlens,
+              chunk_indices, offsets, do, dht, scale, g_dtype):
+    """Gradients (dq, dk, dv, dg, dh0) from the forward's saved tensors (``h``: the states
+    entering each chunk where the staged forward kept them, else None: recomputed)."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     if Aqk is None:
         # A forward that kept no scores (no input needed a gradient when it ran): the
@@ -130,7 +143,7 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
         chunk_gated_delta_rule_fwd_inter(
             q, k, v, g_cum, None, None, None, scale, initial_state, cu_seqlens=cu_seqlens,
             offsets=offsets, scores_out=Aqk, segment_chunks=_segment_chunks(k, v, offsets))
-    if segment_states is not None:
+    if h is None and segment_states is not None:
         # The forward split the sequences: every segment's chunks again from its entering
         # state, in parallel, instead of one sequential walk a sequence (H100, Triton 3.6,
         # bf16, 2x16384x16x128: ~0.19 ms against the walk's 0.22; fwd+bwd 1.775 -> 1.761).
@@ -139,7 +152,7 @@ def _backward(q, k, v, g_cum, Aqk, segment_states, initial_state, cu_seqlens, ch
             q, k, v, g_cum, None, None, None, scale, cu_seqlens=cu_seqlens, offsets=offsets,
             segment_chunks=_segment_chunks(k, v, offsets), states_out=(h, None),
             segment_states=segment_states)
-    else:
+    elif h is None:
         h, _, _ = chunk_gated_delta_rule_fwd_h(k, None, v, g_cum, initial_state, False,
                                                chunk_size=CHUNK_SIZE, save_new_value=False,
                                                **varlen)
@@ -169,11 +182,11 @@ _chunk_fwd = stage_op(
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? initial_state, float scale, "
            "bool output_final_state, bool save_scores, Tensor? cu_seqlens, "
            "Tensor? chunk_indices, int[]? offsets) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _chunk_bwd = stage_op(
     "chunk_simple_gla_bwd", _backward, label="simple_gla.bwd",
     schema="(Tensor q, Tensor k, Tensor v, Tensor? g_cum, Tensor? Aqk, "
-           "Tensor? segment_states, Tensor? initial_state, Tensor? cu_seqlens, "
+           "Tensor? segment_states, Tensor? h, Tensor? initial_state, Tensor? cu_seqlens, "
            "Tensor? chunk_indices, int[]? offsets, Tensor do, Tensor? dht, float scale, "
            "ScalarType? g_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
@@ -181,27 +194,32 @@ _chunk_bwd = stage_op(
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, initial_state, scale, output_final_state, save_scores, cu_seqlens,
      chunk_indices, offsets) = inputs
-    _, _, g_cum, Aqk, segment_states = output
+    _, _, g_cum, Aqk, segment_states, h = output
     ctx.save_for_backward(q, k, v, present(g_cum, g is not None),
                           present(Aqk, _scores_kept(k, save_scores)),
-                          split_states(segment_states), initial_state,
-                          cu_seqlens, chunk_indices)
+                          split_states(segment_states),
+                          present(h, _states_kept(k, v, offsets, save_scores)),
+                          initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.g_dtype = None if g is None else g.dtype
     ctx.output_final_state = output_final_state
     ctx.offsets = offsets
 
 
-def _backward_formula(ctx, do, dht, _dg_cum, _dAqk, _dsegment_states):
+def _backward_formula(ctx, do, dht, _dg_cum, _dAqk, _dsegment_states, _dh):
     saved = ctx.saved_tensors
     do, dht = upstream_grads(do, dht, saved[2], ctx.output_final_state)  # saved[2]: v
     dq, dk, dv, dg, dh0 = _chunk_bwd(*saved, ctx.offsets, do, dht, ctx.scale, ctx.g_dtype)
     return (dq, dk, dv, present(dg, ctx.g_dtype is not None),
-            present(dh0, saved[6] is not None), None, None, None, None, None, None)
+            present(dh0, saved[7] is not None), None, None, None, None, None, None)
 
 
 def _scores_kept(k, save_scores: bool) -> bool:
     return save_scores or SCORES_IN_PASS_MAX_K < k.shape[-1] <= STAGED_FORWARD_ABOVE_K
+
+
+def _states_kept(k, v, offsets, save_scores: bool) -> bool:
+    return save_scores and _staged(k, v, offsets)
 
 
 _chunk_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -211,9 +229,10 @@ def _backward_args(args, outputs):
     """The first backward's arguments (its compile-ahead prefetch in the first forward)."""
     (q, k, v, g, initial_state, scale, output_final_state, save_scores, cu_seqlens,
      chunk_indices, offsets) = args
-    o, final_state, g_cum, Aqk, segment_states = outputs
+    o, final_state, g_cum, Aqk, segment_states, h = outputs
     return (q, k, v, g_cum, present(Aqk, _scores_kept(k, save_scores)),
-            split_states(segment_states), initial_state, cu_seqlens,
+            split_states(segment_states),
+            present(h, _states_kept(k, v, offsets, save_scores)), initial_state, cu_seqlens,
             chunk_indices, offsets, torch.empty_like(o),
             final_state if output_final_state else None, scale,
             None if g is None else g.dtype)
@@ -249,7 +268,7 @@ def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
     # The scores are written out only for a backward (100 MB at 1x8192x96x128 in bf16).
     save_scores = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, x.v, x.g, x.initial_state))
-    o, final_state, _, _, _ = _chunk_fwd(q, k, x.v, x.g, x.initial_state, x.scale,
+    o, final_state, _, _, _, _ = _chunk_fwd(q, k, x.v, x.g, x.initial_state, x.scale,
                                          output_final_state, save_scores, x.cu_seqlens,
                                          chunk_indices, x.seq_offsets)
     return o, present(final_state, output_final_state)
