@@ -66,14 +66,24 @@ def sweep_configs(monkeypatch, stages, min_configs: int) -> list[str]:
                     outs = call()
                     torch.cuda.synchronize()
                 except Exception as error:  # noqa: BLE001 - report every failing config
-                    failures.append(f"{name} {config}: {type(error).__name__}: "
-                                    f"{str(error)[:300]}")
+                    line = f"{name} {config}: {type(error).__name__}: {str(error)[:300]}"
+                    if _context_lost(error):
+                        # Every later launch in this process fails too: name this one.
+                        raise AssertionError("\n".join(failures + [line])) from error
+                    failures.append(line)
                     continue
             for out, ref in zip(outs, refs):
                 err = rel_error(out, ref)
                 if not err <= bound:
                     failures.append(f"{name} {config}: relative error {err:.2e} > {bound}")
     return failures
+
+
+def _context_lost(error: Exception) -> bool:
+    """A fault that leaves the CUDA context unusable (an illegal address, a trap)."""
+    text = str(error)
+    return any(t in text for t in ("illegal memory access", "illegal instruction",
+                                   "unspecified launch failure", "misaligned address"))
 
 
 def launched_stages(monkeypatch, modules, call, refs, bound: float) -> list:

@@ -138,6 +138,12 @@ def _dhu_space(args) -> list[Config]:
     # Triton 3.3.1 aborts building 8 warps at every K, with W or without (H100 config
     # sweeps at K = 64 and 128, 2026-11-26; offline builds had shown it at K = 256 only).
     warps = warp_choices(stmatrix_prone=True)
+    if args["K"] > 128:
+        # No 2 warps above K = 128: the scalar gate's 4-35x slower wherever timed
+        # (8x2048x32x256: 5-60 ms against 1.1-2.5), the vector gate's 1.3x (GLA, 1.94 ms
+        # against 1.47), and with the scaled dh and no W, 64 columns at 2 warps wrote out
+        # of bounds (illegal address; H200, Triton 3.6, bf16, 2026-11-29 config sweep).
+        warps = tuple(w for w in warps if w != 2)
     gated_gk = _vector_gate_on_gated_operands(args)
     rows = state_row_heights(args["K"]) if gated_gk else (tile_width(args["K"], 64),)
     return [Config(BV=bv, BK=bk, num_warps=w, num_stages=s)
