@@ -386,6 +386,22 @@ def _build_mamba2(case, fn, device, grad):
                     [x, dt, A, Bm, Cm, D, dt_bias])
 
 
+def _build_mamba2_layer(case, cls, device, grad):
+    # The Mamba2 mixer layer (in_proj, short conv, SSD, gated RMS norm, out_proj) with the
+    # op case's SSD sizes: width d = H·P / 2 (expand 2). Both libraries name it
+    # fla.layers.Mamba2 with these arguments; without mamba_ssm installed the reference's
+    # layer runs its PyTorch SSD (``torch_forward``). Parameters in bf16 as a bf16 model
+    # holds them; gradients for the input and every parameter.
+    Bsz, T, H, P, N = case.shape
+    G, chunk = case.param("G", 1), case.param("chunk_size", 256)
+    torch.manual_seed(case.seed)
+    layer = cls(hidden_size=H * P // 2, num_heads=H, head_dim=P, state_size=N, expand=2,
+                n_groups=G, chunk_size=chunk).to(device=device, dtype=BF16)
+    layer.requires_grad_(grad)
+    x = _leaf(_randn(_gen(case, device), (Bsz, T, H * P // 2), device), grad)
+    return Prepared(lambda: layer(x), [x, *layer.parameters()] if grad else [x])
+
+
 # ---------------------------------------------------------------------------------------
 # Work counts: (case, mode) -> {"flops": ..., "bytes": ..., "state_bytes": ...}.
 
@@ -486,6 +502,17 @@ def _work_mamba2(case, mode):
     return {"flops": _times(mode, fwd), "bytes": io_bytes(mode, inp, out)}
 
 
+def _work_mamba2_layer(case, mode):
+    # The SSD's count plus the two projections (d -> 2·H·P + 2GN + H and H·P -> d).
+    Bsz, T, H, P, N = case.shape
+    G, d = case.param("G", 1), H * P // 2
+    ssd = _work_mamba2(case, mode)
+    proj = 2 * Bsz * T * (d * (2 * H * P + 2 * G * N + H) + H * P * d)
+    x_bytes = _nbytes((Bsz, T, d), 2)
+    return {"flops": ssd["flops"] + _times(mode, proj),
+            "bytes": io_bytes(mode, x_bytes, x_bytes)}
+
+
 # ---------------------------------------------------------------------------------------
 # The registry.
 
@@ -531,6 +558,13 @@ def _registry() -> list[Case]:
                        (4, 4096, 32, 64, 128), _build_mamba2, _work_mamba2,
                        dims="B,T,H,P,N", issue=4, default=True, est_ref_cold_s=5,
                        params=(("G", 1), ("chunk_size", 256)), note="G=1, chunk 256"))
+    # The issue's Mamba2 comparison "with the reference library's Mamba2 layer path": the
+    # whole mixer layer at the op's sizes (d = 1024), and at one sequence.
+    for shape in ((4, 4096, 32, 64, 128), (1, 4096, 32, 64, 128)):
+        cases.append(_case("Mamba2", "mamba2", "fla.layers", shape, _build_mamba2_layer,
+                           _work_mamba2_layer, dims="B,T,H,P,N", issue=4,
+                           est_ref_cold_s=10, params=(("G", 1), ("chunk_size", 256)),
+                           note="the mixer layer, d = H·P/2; the reference's PyTorch SSD"))
     # Issue 5: vector-gate family.
     for shape in GDN_SHAPES:
         cases.append(_case("chunk_gla", "gla", "fla.ops.gla", shape, _build_gla,
