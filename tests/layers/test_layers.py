@@ -138,6 +138,40 @@ def test_packed_equals_separate(name, seed):
     assert_rel_close("packed", packed, separate, 1e-4)
 
 
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_mamba2_equals_its_formula(mode, seed):
+    """Mamba2's mixer against the op composed by hand, the time steps and the z gate in
+    PyTorch: in_proj, the short convolution, dt = clamp(softplus(dt + dt_bias)), the SSD
+    with the D skip, y · silu(z), the grouped RMSNorm, out_proj (the layer hands the
+    time steps and the gate to the op's kernels instead); outputs and every gradient."""
+    import torch.nn.functional as F
+
+    from fla.ops.mamba2 import mamba_chunk_scan_combined
+
+    layer = Mamba2(D, head_dim=16, state_size=16, n_groups=2, mode=mode,
+                   time_step_limit=(0.0, 0.05))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator(seed)))
+    x = inputs(seed, 2, 70).requires_grad_()
+    H, P, G, N, I = (layer.num_heads, layer.head_dim, layer.n_groups, layer.state_size,
+                     layer.intermediate_size)
+    z, xBC, dt = layer.in_proj(x).split([I, layer.conv_dim, H], dim=-1)
+    xBC, _ = layer.conv1d(xBC)
+    u, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
+    dt = F.softplus(dt + layer.dt_bias).clamp(*layer.time_step_limit)
+    y = mamba_chunk_scan_combined(u.reshape(2, 70, H, P), dt, -layer.A_log.exp(),
+                                  Bm.reshape(2, 70, G, N), Cm.reshape(2, 70, G, N), 256,
+                                  D=layer.D).reshape(2, 70, I)
+    ref = layer.out_proj(layer.norm(y * F.silu(z)))
+    out = layer(x)[0]
+    assert_rel_close("o", out, ref, 1e-5)
+    leaves = [x, *layer.parameters()]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), leaves),
+                    torch.autograd.grad(ref.square().sum(), leaves)):
+        assert_rel_close("grad", a, b, 1e-5)
+
+
 def test_bad_inputs():
     layer = make("gated_deltanet")
     with pytest.raises(ValueError, match="hidden_size"):
