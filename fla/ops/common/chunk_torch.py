@@ -160,8 +160,9 @@ def chunk_gated_delta_rule_fwd_h_torch(k, w, u, g=None, initial_state=None,
 
 
 # --------------------------------------------------------------------------- stage 4
-def _fwd_o(q, k, v, h, g, scale: float, BT: int):
-    """``(o [B, T, H, V], Aqk [B, T, H, BT])``: the output and the causal gated scores."""
+def _fwd_o(q, k, v, h, g, scale: float, BT: int, with_scores: bool = False):
+    """``(o [B, T, H, V], Aqk [B, T, H, BT] or None)``: the output and, ``with_scores``,
+    the causal gated scores laid out token by token (a copy: only when asked)."""
     T = q.shape[1]
     acc = _acc(q.dtype)
     qc, kc, vc = (_chunked(x.to(acc), BT) for x in (q, k, v))      # [B, NT, BT, H, *]
@@ -174,7 +175,8 @@ def _fwd_o(q, k, v, h, g, scale: float, BT: int):
     Aqk = torch.where(mask, Aqk, torch.zeros_like(Aqk))
     o = (torch.einsum("bnihk,bnhkv->bnihv", qc, h.to(acc))
          + torch.einsum("bnhij,bnjhv->bnihv", Aqk, vc))
-    return _unchunked(o * scale, T).to(v.dtype), _unchunked(Aqk.transpose(2, 3), T)
+    scores = _unchunked(Aqk.transpose(2, 3), T) if with_scores else None
+    return _unchunked(o * scale, T).to(v.dtype), scores
 
 
 def chunk_fwd_o_torch(q, k, v_new, h, g=None, scale=1.0, offsets=None, chunk_size=64,
@@ -183,18 +185,20 @@ def chunk_fwd_o_torch(q, k, v_new, h, g=None, scale=1.0, offsets=None, chunk_siz
     ``[B, T, H, V]`` in v_new's dtype. ``scores_out`` ``[B, T, H, BT]``, if given,
     receives the causal gated scores ``Q Kᵀ ⊙ Γ`` (row t: token t's, within its chunk)."""
     if offsets is None:
-        o, Aqk = _fwd_o(q, k, v_new, h, g, scale, chunk_size)
+        o, Aqk = _fwd_o(q, k, v_new, h, g, scale, chunk_size, scores_out is not None)
     else:
         pieces, scores, first = [], [], 0
         for bos, eos in zip(offsets[:-1], offsets[1:]):
             nt = -(-(eos - bos) // chunk_size)
             sl = slice(bos, eos)
             o, Aqk = _fwd_o(q[:, sl], k[:, sl], v_new[:, sl], h[:, first:first + nt],
-                            None if g is None else g[:, sl], scale, chunk_size)
+                            None if g is None else g[:, sl], scale, chunk_size,
+                            scores_out is not None)
             pieces.append(o)
             scores.append(Aqk)
             first += nt
-        o, Aqk = torch.cat(pieces, dim=1), torch.cat(scores, dim=1)
+        o = torch.cat(pieces, dim=1)
+        Aqk = torch.cat(scores, dim=1) if scores_out is not None else None
     if scores_out is not None:
         scores_out.copy_(Aqk)
     return o
