@@ -698,6 +698,38 @@ def test_split_pieces_follow_the_measured_best():
     assert combine._combine_default(dict(args, FORM="delta", K=256)).num_warps == 4
 
 
+# The delta's transitions of a split forward at two and three stages, by shape: (their
+# programs at 64 columns, µs at 2 stages, µs at 3). H200, Triton 3.6, bf16, 2026-11-29,
+# `chunk_gated_delta_rule`'s no-grad forward per kernel (torch.profiler), two rounds in
+# alternating processes (the 3-stage rows the tree before, its two rounds' range);
+# 1x65536x8x128 at two stages from `profile_case --tune` the day before.
+THIN_TRANSITIONS_US = {
+    "2x16384x16x128": (384, 225, (286, 317)),
+    "4x8192x8x128": (384, 116, (143, 161)),
+    "2x8192x16x128": (384, 117, (161, 164)),
+    "1x65536x8x128": (480, 358, (314, 317)),
+}
+
+
+def test_delta_transitions_take_two_stages_where_that_saves_a_wave(monkeypatch):
+    """Three programs an SM at two stages, two at three: where the launch's programs fit
+    one wave only at two stages, two (1x65536x8x128's 480 need two waves either way)."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    monkeypatch.setattr(inter, "multiprocessor_count", lambda *a: SMS)
+    args = dict(K=128, V=128, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=True,
+                SPLIT=True)
+    for shape, (programs, two, three) in THIN_TRANSITIONS_US.items():
+        hint = inter._transition_hint(programs, 128, True)
+        config = inter._default(dict(args, FEW_PROGRAMS=hint))
+        assert config in inter._space(args)
+        best = 2 if two < min(three) else 3
+        assert config.num_stages == best, (shape, hint, config)
+    # Without the delta, above K = 128 and in fp32 the hint stays off or changes nothing.
+    assert inter._transition_hint(384, 128, False) == 0
+    assert inter._transition_hint(384, 256, True) == 0
+    assert inter._default(dict(args, k=FP32, FEW_PROGRAMS=1)).num_stages == 2
+
+
 # The fused recurrent forwards on few sequences x heads (prefill of a small batch; H100,
 # Triton 3.6, bf16, 2026-11-27, `scratch/recurrent_fill_probe.py`: the op's no-grad
 # forward with each config forced, stage 1): (BV, warps). The one-warp default of the

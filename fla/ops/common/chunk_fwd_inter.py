@@ -84,7 +84,7 @@ from fla.ops.utils.state_tiles import (
 from fla.ops.utils.tiles import check_buffer, sixteen_bit, state_row_heights, tile_width
 from fla.ops.utils.two_term import two_term_dot
 from fla.utils.grid import cdiv, sequential_grid_fill
-from fla.utils.triton_facts import dot_precision, warp_choices
+from fla.utils.triton_facts import dot_precision, multiprocessor_count, warp_choices
 from fla.utils.tuning import Config, tuned
 
 __all__ = ["chunk_gated_delta_rule_fwd_inter", "MAX_K_FORMING_SCORES"]
@@ -156,11 +156,15 @@ def _default(args) -> Config:
     if args["DELTA"] and args["TRANSITION"]:
         # The delta's transitions ([M | X], K + V columns, no Q tiles): 64 columns over
         # 64 rows and three stages. H100, Triton 3.6, bf16, 1x65536x8x128 (15 of 16
-        # segments, 64 chunks each), the space timed by `profile_case --tune` on
-        # 2026-11-28: 0.312 ms against 0.468 at the 32 columns / two stages the launch
-        # model had been fitted with (0.324 at 128 rows, 0.354 at two stages).
+        # segments, 64 chunks each, 480 programs), the space timed by `profile_case
+        # --tune` on 2026-11-28: 0.312 ms against 0.468 at the 32 columns / two stages
+        # the launch model had been fitted with (0.324 at 128 rows, 0.354 at two
+        # stages). Two stages where that saves a wave (FEW_PROGRAMS = 1 from
+        # `_transition_hint`): on an H200, 2x16384x16x128 (384 programs), 0.227 ms
+        # against 0.320 at three.
+        two = args.get("FEW_PROGRAMS", 0) == 1
         return Config(BV=tile_width(args["V"], 64), BK=tile_width(args["K"], 64),
-                      num_warps=4, num_stages=3 if sixteen_bit(args) else 2)
+                      num_warps=4, num_stages=3 if sixteen_bit(args) and not two else 2)
     # The backward's state pass (STATES_ONLY: no Q tiles, no output) has the shared memory
     # for a third stage with two programs an SM: 0.53 ms against 0.59 at 1x8192x96x128.
     # So have a split's transitions without the delta (simple GLA's, no Q tiles either):
@@ -775,7 +779,9 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
             kernel[lambda meta: (cdiv(W, meta["BV"]), H, transitions.shape[0])](
                 h0=None, ht=mx, seg_decay=seg_decay, segments=transitions,
                 USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, SPLIT=True,
-                TRANSITION=True, FEW_PROGRAMS=0,
+                TRANSITION=True,
+                FEW_PROGRAMS=_transition_hint(cdiv(W, 64) * H * transitions.shape[0], K,
+                                              delta),
                 # The transitions use no scores: one compiled variant (and space) for all.
                 **dict(common, FORM_AQK=False, STORE_AQK=False))
         if delta:
@@ -795,6 +801,26 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
         ht=final_state, segments=outputs, STORE_FINAL_STATE=final_state is not None,
         SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **entry, **common, **states)
     return seg_h0, mx
+
+
+# Programs an SM of the delta's transitions at their default tiles (64 x 64, 4 warps,
+# 16-bit operands) by pipeline stages, from the offline sm_90 build (Triton 3.6,
+# `scripts/compile_check.py --resources`): at K = V = 128 two stages take 165 registers
+# and 64 KB of shared memory (three an SM), three 228 and 97 KB (two); at K = 64 four
+# and two. Only K = 128 has been timed.
+_TRANSITION_PROGRAMS_PER_SM = {2: 3, 3: 2}
+
+
+def _transition_hint(programs: int, K: int, delta: bool) -> int:
+    """``FEW_PROGRAMS`` of a transition launch: 1 where its ``programs`` (at 64 columns)
+    fill one wave of the GPU at two stages' occupancy but not at three's (the default
+    then takes two stages: one wave instead of two of slightly faster programs), else 0.
+    With the delta up to K = 128 only (the transitions without it take other tiles)."""
+    if not delta or K > 128:
+        return 0
+    sms = multiprocessor_count()
+    fits = {s: cdiv(programs, n * sms) for s, n in _TRANSITION_PROGRAMS_PER_SM.items()}
+    return int(fits[2] < fits[3])
 
 
 def split_states(segment_states: torch.Tensor | None) -> torch.Tensor | None:
