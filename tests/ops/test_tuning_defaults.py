@@ -730,6 +730,30 @@ def test_delta_transitions_take_two_stages_where_that_saves_a_wave(monkeypatch):
     assert inter._default(dict(args, k=FP32, FEW_PROGRAMS=1)).num_stages == 2
 
 
+# The reverse pass's split launches without W (simple GLA 2x16384x16x128: 192
+# transition programs, 256 output programs; H200, Triton 3.6, bf16, FLA_TUNE=1,
+# 2026-11-29): ms by (BV, warps, stages).
+SPLIT_REVERSE_NO_W_MS = {
+    "transition": {(64, 4, 3): 0.0964, (64, 8, 3): 0.1020, (64, 4, 2): 0.1233,
+                   (64, 8, 2): 0.1244, (32, 4, 3): 0.1321, (32, 2, 2): 0.1364,
+                   (32, 4, 2): 0.1422, (32, 2, 3): 0.1570},
+    "output": {(64, 4, 2): 0.2812, (64, 4, 3): 0.4168, (32, 4, 2): 0.4294,
+               (64, 8, 2): 0.4540, (64, 8, 3): 0.4785, (32, 2, 2): 0.5279,
+               (32, 8, 2): 0.5293, (32, 4, 3): 0.7071},
+}
+
+
+def test_split_reverse_pass_without_w_follows_the_measured_best():
+    from fla.ops.common import chunk_delta_h_bwd as bwd
+    for piece, times in SPLIT_REVERSE_NO_W_MS.items():
+        args = dict(K=128, V=128, BT=64, k=BF16, USE_W=False, USE_GK=None,
+                    GATED_OPERANDS=None, FEW_PROGRAMS=0, SPLIT=True,
+                    TRANSITION=piece == "transition", DH_SCALED=piece == "output")
+        config = bwd._dhu_default(args)
+        _follows_the_best(piece, times, config, bwd._dhu_space(args),
+                          (config.meta["BV"], config.num_warps, config.num_stages))
+
+
 # The fused recurrent forwards on few sequences x heads (prefill of a small batch; H100,
 # Triton 3.6, bf16, 2026-11-27, `scratch/recurrent_fill_probe.py`: the op's no-grad
 # forward with each config forced, stage 1): (BV, warps). The one-warp default of the

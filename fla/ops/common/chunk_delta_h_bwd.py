@@ -112,10 +112,15 @@ def _dhu_default(args) -> Config:
     # bf16, FLA_TUNE=1, 2026-11-28 22:00 UTC), 1x8192x96x128: 0.841 ms, against 0.846 at
     # two stages and 0.988 at 8 warps (offline, 4 warps spill 112-136 B there).
     # (8 warps only where this Triton builds them: see _dhu_space.)
+    # A split's transitions without W (they store no dh) take three stages too: H200,
+    # Triton 3.6, bf16, FLA_TUNE=1, 2026-11-29, simple GLA 2x16384x16x128 (192
+    # programs): 0.096 ms against 0.123 at two; its output launch keeps two (0.281
+    # against 0.417).
     warps = 8 if thin and not (args["USE_W"] or gated_gk) else 4
+    deep = args["USE_W"] or few or args.get("TRANSITION", False)
     return Config(BV=tile_width(args["V"], 32 if thin else 64), BK=bk,
                   num_warps=min(warps, max(warp_choices(stmatrix_prone=True))),
-                  num_stages=3 if args["USE_W"] or few else 2)
+                  num_stages=3 if deep else 2)
 
 
 def _dhu_stages(args) -> tuple[int, ...]:
