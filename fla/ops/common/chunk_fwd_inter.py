@@ -347,8 +347,9 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     ``[M | X]`` goes to ``ht [P, H, K, K + V]``. Without the delta M is the scalar
     ``exp(Σ g)`` over the segment: a transition then runs the K x V state from zeros into
     ``ht [P, H, K, V]`` (X) and writes ``Σ g`` to ``seg_decay [P, H]``.
-    ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`) is read by the tuning
-    layer only (the default tile width and stages).
+    ``FEW_PROGRAMS`` (0, 1 or 2, :func:`fla.utils.grid.grid_fill`; for a transition
+    launch with the delta, :func:`_transition_hint`'s 0 or 1) is read by the tuning layer
+    only (the default tile width and stages).
     With ``CHAIN`` (a split's output launch without the delta) each program forms the
     state entering its segment itself, with no combine launch before it: ``h0`` is then
     indexed by sequence (the initial states), carried through the transitions of the
@@ -804,18 +805,19 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
 
 
 # Programs an SM of the delta's transitions at their default tiles (64 x 64, 4 warps,
-# 16-bit operands) by pipeline stages, from the offline sm_90 build (Triton 3.6,
+# 16-bit operands) by pipeline stages, from an offline sm_90 build (Triton 3.9,
 # `scripts/compile_check.py --resources`): at K = V = 128 two stages take 165 registers
 # and 64 KB of shared memory (three an SM), three 228 and 97 KB (two); at K = 64 four
-# and two. Only K = 128 has been timed.
+# and two (the table keeps K = 128's: the hint fires a little less often there than it
+# could). Timed at K = 128 only (H200, Triton 3.6: the shapes in the default's comment).
 _TRANSITION_PROGRAMS_PER_SM = {2: 3, 3: 2}
 
 
 def _transition_hint(programs: int, K: int, delta: bool) -> int:
     """``FEW_PROGRAMS`` of a transition launch: 1 where its ``programs`` (at 64 columns)
-    fill one wave of the GPU at two stages' occupancy but not at three's (the default
-    then takes two stages: one wave instead of two of slightly faster programs), else 0.
-    With the delta up to K = 128 only (the transitions without it take other tiles)."""
+    take fewer waves of the GPU at two stages' occupancy than at three's (the default then
+    takes two stages, whose programs are slower one by one), else 0. With the delta up to
+    K = 128 only (the transitions without it take other tiles)."""
     if not delta or K > 128:
         return 0
     sms = multiprocessor_count()
