@@ -8,6 +8,8 @@ For each case of :mod:`benchmarks.cases` (e.g. ``RMSNorm/16384x4096``) and mode 
 * the sum of the GPU kernels' times per step and the share of the step they fill (the
   rest is launch latency / host work the GPU waits for),
 * the kernels of one step, longest first (torch.profiler, CUDA activity),
+* with ``--sequence``, one step's launches in launch order (a split pass launches one
+  kernel several times: the table above adds them up),
 * with ``--host``, the Python functions that take the host's time over 200 steps
   (cProfile, by own and by cumulative time, the backward on the calling thread): what
   to cut when the kernels fill too little of the step;
@@ -40,7 +42,7 @@ def _reset(prepared) -> None:
         x.grad = None
 
 
-def profile(case, mode: str, steps: int, host: bool = False) -> None:
+def profile(case, mode: str, steps: int, host: bool = False, sequence: bool = False) -> None:
     import triton.testing
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -78,6 +80,17 @@ def profile(case, mode: str, steps: int, host: bool = False) -> None:
           f"per step ({100 * kernel_ms / ms:.0f}% of the step)")
     for us, count, name in rows[:12]:
         print(f"  {us:9.1f} us  x{count:<3d} {name[:100]}")
+    if sequence:
+        # The table above adds up a kernel's launches; a split pass launches one kernel
+        # several times (transitions, then outputs): one step's launches in order.
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as one:
+            _reset(prepared)
+            _step(prepared, mode, do)
+            torch.cuda.synchronize()
+        launches = [(e.name, e.device_time) for e in one.events()
+                    if getattr(e, "device_time", 0) > 0]
+        print("  one step's launches in order (us): " + ", ".join(
+            f"{name[:48]} {us:.1f}" for name, us in launches))
     if host:
         import cProfile
         import pstats
@@ -109,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="both")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--host", action="store_true", help="also profile the host (cProfile)")
+    p.add_argument("--sequence", action="store_true",
+                   help="also list one step's kernel launches in launch order")
     p.add_argument("--tune", action="store_true",
                    help="time every config of each kernel's space; print them per key")
     args = p.parse_args(argv)
@@ -121,7 +136,7 @@ def main(argv=None) -> int:
     for case in registry.select(args.cases):
         for mode in modes:
             if mode in case.modes:
-                profile(case, mode, args.steps, args.host)
+                profile(case, mode, args.steps, args.host, args.sequence)
     if args.tune:
         _print_tuning()
     return 0
