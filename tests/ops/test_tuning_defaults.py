@@ -730,6 +730,34 @@ def test_delta_transitions_take_two_stages_where_that_saves_a_wave(monkeypatch):
     assert inter._default(dict(args, k=FP32, FEW_PROGRAMS=1)).num_stages == 2
 
 
+def test_split_launcher_passes_the_transition_hint(monkeypatch):
+    """The delta's transition launch carries `_transition_hint` of its own program count
+    (64 columns of [M | X] x heads x transition pieces), the output launch none."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    from fla.ops.common.chunk_segments import split_tables
+    monkeypatch.setattr(inter, "multiprocessor_count", lambda *a: SMS)
+    monkeypatch.setattr(inter, "combine_segment_states", lambda mx, *a, **kw: mx[..., :128])
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: launches.append(kw)
+
+    K = V = 128
+    # 288 programs: one wave at two stages, two at three; 96: one either way; 480 (as at
+    # 1x65536x8x128): two either way; 576: two against three.
+    for H, pieces, hint in ((24, 4, 1), (8, 4, 0), (40, 4, 0), (48, 4, 1)):
+        # 1 sequence in `pieces` segments: pieces - 1 transitions of 4 tiles each a head.
+        launches.clear()
+        tables = split_tables([0, 64 * 8 * pieces], 8, "cpu")
+        k = torch.empty(1, 64 * 8 * pieces, H, K)
+        common = dict(H=H, K=K, V=V, q=k, k=k)
+        inter._split_pass(Recorder(), common, {}, *tables, True, None, None)
+        programs = 4 * H * (pieces - 1)
+        assert [kw.get("FEW_PROGRAMS") for kw in launches] == [hint, 0], (H, programs)
+        assert (-(-programs // (3 * SMS)) < -(-programs // (2 * SMS))) == bool(hint)
+
+
 # The reverse pass's split launches without W (simple GLA 2x16384x16x128: 192
 # transition programs, 256 output programs; H200, Triton 3.6, bf16, FLA_TUNE=1,
 # 2026-11-29): ms by (BV, warps, stages).
