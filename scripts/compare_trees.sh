@@ -14,7 +14,9 @@
 # in both modes. A table of the medians comes last, one column per tree; rounds
 # alternate nothing, so run the baseline tree first and last when the spread matters.
 #
-# Environment: OUT (default /tmp/out) for the logs, PER_FILE for the tests (150 s).
+# Environment: OUT (default /tmp/out) for the logs, PER_FILE for the tests (150 s),
+# PROFILE_ARGS more arguments of benchmarks.profile_case (e.g. "--sequence": each step's
+# launches in order; only for trees whose profile_case has them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -52,7 +54,8 @@ for tree in "${trees[@]}"; do
             OUT="$OUT/tests_$name" PER_FILE="${PER_FILE:-150}" MARK=gpu \
                 bash scripts/gpu_tests.sh $TEST_FILES 2>&1 | tail -n 12
         fi
-        python3 -m benchmarks.profile_case "${case_list[@]}" --mode both 2>&1 \
+        # shellcheck disable=SC2086
+        python3 -m benchmarks.profile_case "${case_list[@]}" --mode both ${PROFILE_ARGS:-} 2>&1 \
             | grep -v -i "warn" | tee "$log"
     )
     while read -r label mode ms; do
