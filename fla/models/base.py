@@ -102,6 +102,9 @@ class FLABlock(nn.Module):
 
 
 class FLAPreTrainedModel(PreTrainedModel):
+    """The Hugging Face base of every model here: weight initialisation (normal with the
+    config's ``initializer_range``), gradient checkpointing, ``save_pretrained`` /
+    ``from_pretrained``."""
     config_class = FLAConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

@@ -194,10 +194,16 @@ def model_classes(config_class: type[FLAConfig]) -> tuple[type, type]:
 
     name = config_class.__name__.removesuffix("Config")
     module = config_class.__module__
-    model = type(f"{name}Model", (FLAModel,), {"config_class": config_class,
-                                                "__module__": module})
+    model = type(f"{name}Model", (FLAModel,), {
+        "config_class": config_class, "__module__": module,
+        "__doc__": f"{name} backbone ({config_class.__name__}): input_ids ``[B, T]`` (or "
+                   f"inputs_embeds ``[B, T, hidden_size]``) to hidden states ``[B, T, "
+                   f"hidden_size]``, with the recurrent cache. " + FLAModel.__doc__})
     causal_lm = type(f"{name}ForCausalLM", (FLAForCausalLM,), {
-        "config_class": config_class, "model_class": model, "__module__": module})
+        "config_class": config_class, "model_class": model, "__module__": module,
+        "__doc__": f"{name} language model ({config_class.__name__}): input_ids ``[B, T]`` "
+                   f"to logits ``[B, T, vocab_size]`` and the loss against ``labels [B, "
+                   f"T]``. " + FLAForCausalLM.__doc__})
     for cls in (model, causal_lm):
         cls.__qualname__ = cls.__name__
         setattr(sys.modules[module], cls.__name__, cls)

@@ -20,6 +20,8 @@ from fla.utils.triton_facts import is_interpreter
 
 
 class Backend(str, enum.Enum):
+    """Where an op runs: the Triton kernels (CUDA tensors, or any under
+    ``TRITON_INTERPRET=1``) or the PyTorch path (CPU tensors); ``FLA_BACKEND`` forces one."""
     TRITON = "triton"
     TORCH = "torch"
 

@@ -86,6 +86,8 @@ _enabled = [True]
 
 
 def plans_enabled() -> bool:
+    """Whether steps replay their recorded launch plans: on unless :func:`step_plans`
+    turned them off or ``FLA_STEP_PLANS=0``."""
     return _enabled[0] and os.environ.get("FLA_STEP_PLANS", "1") not in ("0", "")
 
 

@@ -171,6 +171,7 @@ def _sm_count(index: int) -> int:
 
 
 def is_hopper(index: int = 0) -> bool:
+    """Whether CUDA device ``index`` is a Hopper GPU (compute capability 9.x)."""
     return device_capability(index)[0] == 9
 
 

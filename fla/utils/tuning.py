@@ -142,6 +142,8 @@ def tuning_enabled() -> bool:
 
 
 def cache_dir() -> Path:
+    """Where ``FLA_TUNE=1`` keeps its timed configs: ``FLA_CACHE_DIR``, else
+    ``~/.cache/fla/tuning``."""
     root = os.environ.get("FLA_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "fla" / "tuning"
 

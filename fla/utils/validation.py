@@ -149,6 +149,7 @@ def check_positive_length(dims: Dims, letters: str = "B T H HV") -> None:
 
 
 def check_head_dim(name: str, size: int, letter: str = "K", limit: int = MAX_HEAD_DIM) -> None:
+    """ValueError unless head dimension ``letter`` of ``name`` is in ``[1, limit]``."""
     if size > limit:
         raise ValueError(f"{name}: head dimension {letter} = {size} is over the limit; "
                          f"expected {letter} <= {limit}")

@@ -83,6 +83,7 @@ def bwd_block_v(K: int, V: int) -> int:
 
 
 def bwd_default_config(args) -> Config:
+    """The fused recurrent backward's warps for its ``BK x BV`` state tile (one stage)."""
     # Measured (gated delta rule, H200, 4×1024 tokens, H=16, K=V=128, BV=32): 1/2/4/8 warps
     # 18.2/10.6/6.0/5.8 ms: the reverse sweep keeps D and its products live, so spread
     # them wide.
@@ -90,6 +91,8 @@ def bwd_default_config(args) -> Config:
 
 
 def bwd_config_space(args) -> list[Config]:
+    """1-8 warps at one or two stages, each thread holding at least 4 of the tile's
+    values."""
     tile = args["BK"] * args["BV"]
     return [Config(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)
             if tile // (32 * w) >= 4]

@@ -25,10 +25,13 @@ def rows_per_program(width: int, values: int = 4096, least: int = 16, most: int 
 
 
 def one_stage_default(args) -> Config:
+    """The element-wise kernels' default: 4 warps, no software pipelining (one pass over
+    each tile, nothing to prefetch)."""
     return Config(num_warps=4, num_stages=1)
 
 
 def one_stage_space(args) -> list[Config]:
+    """What ``FLA_TUNE=1`` times for them: 1, 2, 4 or 8 warps at one stage."""
     return [Config(num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
 
 
