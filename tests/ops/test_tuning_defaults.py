@@ -702,7 +702,7 @@ def test_split_pieces_follow_the_measured_best():
 # programs at 64 columns, µs at 2 stages, µs at 3). H200, Triton 3.6, bf16, 2026-11-29,
 # `chunk_gated_delta_rule`'s no-grad forward per kernel (torch.profiler), two rounds in
 # alternating processes (the 3-stage rows the tree before, its two rounds' range);
-# 1x65536x8x128 at two stages from `profile_case --tune` the day before.
+# 1x65536x8x128 at two stages from `profile_case --tune` the same day (00:40 UTC).
 THIN_TRANSITIONS_US = {
     "2x16384x16x128": (384, 225, (286, 317)),
     "4x8192x8x128": (384, 116, (143, 161)),
@@ -712,8 +712,8 @@ THIN_TRANSITIONS_US = {
 
 
 def test_delta_transitions_take_two_stages_where_that_saves_a_wave(monkeypatch):
-    """Three programs an SM at two stages, two at three: where the launch's programs fit
-    one wave only at two stages, two (1x65536x8x128's 480 need two waves either way)."""
+    """Three programs an SM at two stages, two at three: where the launch's programs take
+    fewer waves at two stages, two (1x65536x8x128's 480 need two waves either way)."""
     from fla.ops.common import chunk_fwd_inter as inter
     monkeypatch.setattr(inter, "multiprocessor_count", lambda *a: SMS)
     args = dict(K=128, V=128, k=BF16, DELTA=True, FORM_AQK=False, TRANSITION=True,
@@ -772,6 +772,7 @@ SPLIT_REVERSE_NO_W_MS = {
 
 
 def test_split_reverse_pass_without_w_follows_the_measured_best():
+    """Without W the reverse pass's transitions take three stages, its output launch two."""
     from fla.ops.common import chunk_delta_h_bwd as bwd
     for piece, times in SPLIT_REVERSE_NO_W_MS.items():
         args = dict(K=128, V=128, BT=64, k=BF16, USE_W=False, USE_GK=None,
