@@ -156,6 +156,13 @@ def _dhu_space(args) -> list[Config]:
 
 
 @triton.jit
+def _abs_max_by_row(b_x):
+    """max |x| along each row of a [BK, BV] fp32 tile, as max(max, −min): [BK]. Along
+    rows stays inside a warp in the MMA layout; no |x| copy beside the tile."""
+    return tl.maximum(tl.max(b_x, axis=1), -tl.min(b_x, axis=1))
+
+
+@triton.jit
 def _gk_decay_to_end(b_x, g, p_g, m, b_gl, dt, GATED: tl.constexpr):
     """A [BT, BK] tile times exp(γ_L − γ) channel by channel (``b_gl`` [BK] = γ_L; the
     exponents are ≤ 0 and masked before exp), in ``dt``; ``GATED``: the tile is already
@@ -283,15 +290,18 @@ def chunk_gated_delta_rule_bwd_dhu_kernel(
             # dh[chunk] = ∂L/∂(state leaving the chunk), what chunk_bwd_dqkwg pairs with Vn.
             p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_v[None, :]
             if DH_SCALED:
-                # The block's largest |value| (rows past K and columns past V hold 0), as
-                # max(max, −min): no |dS| tile beside dS's own registers.
-                b_max = tl.maximum(tl.max(b_dh1), -tl.min(b_dh1))
+                # The block's largest |value| (rows past K and columns past V hold 0):
+                # each tile's rows first, max(max, −min) along a row staying inside a warp,
+                # then the tiles' [BK] vectors elementwise and one reduction across warps.
+                # A whole-block tl.max per tile pays that cross-warp step eight times.
+                b_row_max = _abs_max_by_row(b_dh1)
                 if K > BK:
-                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh2), -tl.min(b_dh2)))
+                    b_row_max = tl.maximum(b_row_max, _abs_max_by_row(b_dh2))
                 if K > 2 * BK:
-                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh3), -tl.min(b_dh3)))
+                    b_row_max = tl.maximum(b_row_max, _abs_max_by_row(b_dh3))
                 if K > 3 * BK:
-                    b_max = tl.maximum(b_max, tl.maximum(tl.max(b_dh4), -tl.min(b_dh4)))
+                    b_row_max = tl.maximum(b_row_max, _abs_max_by_row(b_dh4))
+                b_max = tl.max(b_row_max, axis=0)
                 # A power of two (exact to apply and undo); 1e-30 keeps an all-zero
                 # block's factor finite.
                 b_exp = tl.ceil(tl.log2(tl.maximum(b_max, 1e-30)))
