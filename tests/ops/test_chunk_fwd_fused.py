@@ -412,6 +412,33 @@ def test_lead_split_model_matches_the_measured_pass(monkeypatch):
     assert 0 < len(modelled) <= 65, len(modelled)
 
 
+# The delta rule's backward states pass (bf16, fwd+bwd of the op; H200, Triton 3.6,
+# 2026-11-29 05:50 UTC, states pass µs unsplit -> from the checkpoint at the model's cut):
+# 96 heads 696 -> 526, 80 heads 694 -> 463 (one sequence of 128 chunks, 64 columns a
+# program, 2 programs a head).
+MEASURED_CHECKPOINT_US = {96: (696, 526), 80: (694, 463)}
+
+
+def test_checkpoint_lead_model(monkeypatch):
+    """The checkpointed lead split's model (no transitions: the pieces' schedule alone)
+    against the states pass measured from it, its picks, and where it declines: more
+    programs than slots, no more than SMs, short sequences, K above 128."""
+    from fla.ops.common import chunk_fwd_inter as inter
+    from fla.ops.common import chunk_segments as segments
+    monkeypatch.setattr(segments, "multiprocessor_count", lambda: 132)
+    segments._lead_lengths.clear()
+    for heads, (whole, cut) in MEASURED_CHECKPOINT_US.items():
+        lead = inter.default_checkpoint_lead_chunks(None, 1, 8192, heads, 128, 128)
+        assert lead == segments.checkpoint_lead_chunks_for([128], heads, 2) > 0
+        model = segments._pieces_time(lead, [128], heads, 2, segments.program_slots()) / 128
+        # The model counts every step alike (measured: within a percent at both).
+        assert abs(cut / whole - model) < 0.03, (heads, lead, model, cut / whole)
+    assert inter.default_checkpoint_lead_chunks(None, 4, 4096, 64, 128, 128) == 0  # full
+    assert inter.default_checkpoint_lead_chunks(None, 1, 8192, 64, 128, 128) == 0  # 128
+    assert inter.default_checkpoint_lead_chunks(None, 1, 2048, 96, 128, 128) == 0  # short
+    assert inter.default_checkpoint_lead_chunks(None, 1, 8192, 48, 256, 256) == 0  # K
+
+
 @pytest.mark.interpret
 def test_inter_without_initial_or_final_state(device, seed):
     p = problem("varlen", generator(seed), device, torch.float32)

@@ -79,6 +79,51 @@ def test_chunk_with_sequences_split_into_segments(varlen, use_dht, device, seed,
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "batch"])
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES, ids=lambda d: str(d)[6:])
+def test_chunk_with_a_checkpoint_at_the_lead_cut(varlen, dtype, device, seed, monkeypatch):
+    """Where the backward's states pass would leave program slots idle (forced here at
+    a lead of two chunks), the forward pass runs in two launches, the sequences' lead
+    pieces and then their rests from the states kept at the cut, and the backward's
+    states pass runs every piece in one launch from those states: outputs, final states
+    and gradients as the float64 loop's. A sequence of two chunks or fewer is not cut
+    (its one piece ends it)."""
+    from fla.ops.common import chunk_fwd_inter, chunk_segments
+    from fla.ops.gated_delta_rule import chunk as gdr_chunk
+    monkeypatch.setattr(chunk_segments, "checkpoint_lead_chunks_for", lambda *args: 2)
+    # The interpreter's grid would take the staged states pass at fp32: the forward's
+    # own pass, as on a GPU, is what reads the checkpoint.
+    monkeypatch.setattr(gdr_chunk, "_states_from_the_forward_pass", lambda *args: True)
+    launches = []
+    kernel = chunk_fwd_inter.chunk_gated_delta_rule_fwd_inter_kernel
+    launch = kernel.launch
+
+    def recorded(grid, args, kwargs):
+        segments = kwargs.get("segments")
+        launches.append((bool(kwargs.get("STATES_ONLY")), bool(kwargs.get("STORE_EXIT")),
+                         None if segments is None else segments[:, 1:3].tolist()))
+        return launch(grid, args, kwargs)
+
+    monkeypatch.setattr(kernel, "launch", recorded)
+    gen = generator(seed)
+    lengths = uneven_lengths(2, gen, low=140, high=250) + ([100] if varlen else [])
+    B, T, N, cu = packed_or_batch(lengths, varlen, device)
+    inputs = make_inputs(gen, B=B, T=T, H=1, HV=2, K=16, V=32, N=N)
+    compare(inputs, dtype, device, fn=chunk_gated_delta_rule, gen=gen, cu_seqlens=cu)
+    forward = [x for x in launches if not x[0]]
+    states = [x for x in launches if x[0]]
+    # The forward: the first pieces (storing the states at the cut), then the rests.
+    assert [x[1] for x in forward[-2:]] == [True, False], forward
+    assert all(first == 0 for first, _ in forward[-2][2]), forward
+    assert all(first == 2 for first, _ in forward[-1][2]), forward
+    # The backward: one launch, every piece, longest first.
+    pieces = states[-1][2]
+    assert len(pieces) == len(forward[-2][2]) + len(forward[-1][2]), (states, forward)
+    lengths_of = [end - first for first, end in pieces]
+    assert lengths_of == sorted(lengths_of, reverse=True), pieces
+
+
+@pytest.mark.interpret
 def test_reverse_transitions_take_the_forward_maps(device, seed, monkeypatch):
     """Without a gate (which would shrink M too far to show) and without a final-state
     gradient, the reverse pass's combine reads M from the forward's maps, transposed, the

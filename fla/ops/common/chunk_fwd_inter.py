@@ -62,6 +62,7 @@ from fla.ops.common.chunk_scores import gate_causal_scores
 from fla.ops.common.chunk_state_combine import combine_segment_states
 from fla.ops.common.chunk_segments import (
     CHUNK,
+    checkpoint_tables,
     lead_split_tables,
     sequence_chunks,
     split_tables,
@@ -328,7 +329,7 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     h=None, v_new=None, chunk_offsets=None, STATES_ONLY: tl.constexpr = False,
     TWO_TERM: tl.constexpr = False,
     transitions=None, seg_offsets=None, entry_out=None, CHAIN: tl.constexpr = False,
-    STORE_ENTRY: tl.constexpr = False,
+    STORE_ENTRY: tl.constexpr = False, exit_out=None, STORE_EXIT: tl.constexpr = False,
 ):
     """Grid ``(NW, H, P)``: W-column tiles of the state, heads, and P programs along the
     sequences: one per sequence, or with ``SPLIT`` one per row of ``segments``
@@ -356,6 +357,9 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
     sequence's earlier segments (``transitions [P, H, K, V]`` and ``seg_decay [P, H]``
     by state row, the sequence's first row at ``seg_offsets [N + 1]``); with
     ``STORE_ENTRY`` it is also written to ``entry_out [P, H, K, V]`` by state row.
+    With ``STORE_EXIT`` (a split's output launch) a program whose piece ends before its
+    sequence does writes the state it leaves with to ``exit_out [P, H, K, V]`` by state
+    row: the checkpoint from which a later launch runs the sequence's rest.
     With ``STATES_ONLY`` (no transition) the pass computes no output: it stores each
     chunk's entering state to ``h [B, NT, H, K, V]`` (``[1, NT_total, ...]`` with varlen,
     sequence n's chunks from ``chunk_offsets[n]``) and, with the delta, Vn to ``v_new [B,
@@ -515,6 +519,11 @@ def chunk_gated_delta_rule_fwd_inter_kernel(
                                other=0.)
                 b_h4 = two_term_dot(b_kt, b_vn, b_h4, TWO_TERM, DOT_PRECISION)
 
+    if STORE_EXIT:
+        # After the loop, not in it: a branch in the chunk loop costs every step.
+        if end < tl.cdiv(T, BT):
+            store_state_tiles(exit_out, state, b_h1, b_h2, b_h3, b_h4, o_s, o_k, m_w, K, W,
+                              BK)
     if STORE_FINAL_STATE:
         if SPLIT and not TRANSITION:
             # The output launch of a split: the piece that ends the sequence holds its
@@ -536,6 +545,18 @@ def default_lead_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: in
     output_tiles, transition_tiles = _pass_tiles(K, V, False, form_scores)
     return chunk_segments.lead_chunks_for(sequence_chunks(offsets, B, T), H, output_tiles,
                                           transition_tiles)
+
+
+def default_checkpoint_lead_chunks(offsets: list[int] | None, B: int, T: int, H: int,
+                                   K: int, V: int) -> int:
+    """What the delta's pass picks for ``lead_chunks=None`` with ``return_segment_states``
+    (0: no checkpoint): the lead that the backward's states pass (64 columns a program up
+    to K = 128, as its defaults take) runs best from. Above K = 128 none (the split's
+    output pass takes other tiles there than the whole pass; untimed)."""
+    if K > 128:
+        return 0
+    return chunk_segments.checkpoint_lead_chunks_for(sequence_chunks(offsets, B, T), H,
+                                                     cdiv(V, 64))
 
 
 def default_segment_chunks(offsets: list[int] | None, B: int, T: int, H: int, K: int,
@@ -634,12 +655,18 @@ def chunk_gated_delta_rule_fwd_inter(
             without the sequential walk).
         return_segment_states: also return those states (None when the pass did not
             split), for a later pass's ``segment_states``.
-        lead_chunks: where ``segment_chunks`` leaves the sequences whole and there is no
-            delta, cut each sequence after this many chunks (a lead split: the lead
-            pieces' transitions, then every piece in one launch, longest first; see
-            ``fla.ops.common.chunk_segments``); None: the launch model's choice; 0: never.
-            Not with ``states_out`` or ``segment_states``; its segment states are not
-            returned (None: a backward walks the sequences whole).
+        lead_chunks: where ``segment_chunks`` leaves the sequences whole, cut each
+            sequence after this many chunks; None: the launch model's choice; 0: never.
+            Without the delta a lead split (the lead pieces' transitions, then every
+            piece in one launch, longest first; see ``fla.ops.common.chunk_segments``),
+            not with ``states_out`` or ``segment_states``, its segment states not
+            returned (None: a backward walks the sequences whole). With the delta a
+            checkpoint, only with ``return_segment_states`` or ``segment_states``: the
+            pass runs in two launches, the sequences' first pieces and then their rests
+            from the states the first left at the cut, and returns ``[2N, H, K, V]``
+            segment states (the initial states, then the states at the cuts); a later
+            pass given them and the same ``lead_chunks`` runs every piece in one launch,
+            longest first (the backward's states pass: no transition to pay).
         return_segment_maps: with ``return_segment_states`` and the delta, also return
             the split's transitions ``[P, H, K, K + V]`` float32 (``[M | X]`` of each
             segment; each sequence's last row unset), None when the pass did not split:
@@ -702,6 +729,22 @@ def chunk_gated_delta_rule_fwd_inter(
     if segment_chunks is None:
         segment_chunks = default_segment_chunks(offsets, B, T, H, K, V, Ai is not None,
                                                 form_scores)
+    if not segment_chunks and Ai is not None and K <= 128:
+        if states_out is None and segment_states is None and return_segment_states:
+            if lead_chunks is None:
+                lead_chunks = default_checkpoint_lead_chunks(offsets, B, T, H, K, V)
+            if lead_chunks:
+                seg_h0 = _checkpointed_pass(kernel, common, *checkpoint_tables(
+                    offsets, lead_chunks, k.device)[:2], initial_state, final_state)
+                return _returned(o, final_state, seg_h0, None, True, return_segment_maps)
+        elif segment_states is not None and lead_chunks and not output_final_state:
+            pieces = checkpoint_tables(offsets, lead_chunks, k.device)[2]
+            check_buffer("segment_states", segment_states, (2 * N, H, K, V), torch.float32,
+                         k.device)
+            _split_pass(kernel, common, states, None, pieces, None, True, initial_state,
+                        final_state, segment_states)
+            return _returned(o, final_state, None, None, return_segment_states,
+                             return_segment_maps)
     if segment_states is not None and (not segment_chunks or output_final_state):
         raise ValueError("segment_states: given for a pass that does not split, or with "
                          "output_final_state (the skipped combine computes the final state)")
@@ -802,6 +845,33 @@ def _split_pass(kernel, common: dict, states: dict, transitions: torch.Tensor,
         ht=final_state, segments=outputs, STORE_FINAL_STATE=final_state is not None,
         SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, **entry, **common, **states)
     return seg_h0, mx
+
+
+def _checkpointed_pass(kernel, common: dict, firsts: torch.Tensor, rests: torch.Tensor,
+                       initial_state, final_state) -> torch.Tensor:
+    """The delta's pass in two launches (tables from :func:`checkpoint_tables`): every
+    sequence's first piece, then the cut sequences' rests from the states the first
+    launch left at the cut. The same chunk steps as one launch, and the states at the cuts
+    kept: returns ``[2N, H, K, V]`` float32, the initial states (zeros where None), then
+    the states at the cuts (rows of uncut sequences unset), every piece's entering state
+    by its row in the tables' ``pieces``."""
+    H, K, V = common["H"], common["K"], common["V"]
+    N = firsts.shape[0]
+    entering = torch.empty(2 * N, H, K, V, dtype=torch.float32, device=firsts.device)
+    if initial_state is None:
+        entering[:N].zero_()
+    else:
+        entering[:N].copy_(initial_state)
+    at_cut = entering[N:]
+    for table, h0, given in ((firsts, initial_state, initial_state is not None),
+                             (rests, at_cut, True)):
+        if table.shape[0]:
+            kernel[lambda meta, P=table.shape[0]: (cdiv(V, meta["BV"]), H, P)](
+                h0=h0, ht=final_state, seg_decay=None, segments=table,
+                USE_INITIAL_STATE=given, STORE_FINAL_STATE=final_state is not None,
+                SPLIT=True, TRANSITION=False, FEW_PROGRAMS=0, exit_out=at_cut,
+                STORE_EXIT=table is firsts, **common)
+    return entering
 
 
 # Programs an SM of the delta's transitions at their default tiles (64 x 64, 4 warps,

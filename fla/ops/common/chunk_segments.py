@@ -28,8 +28,9 @@ from fla.ops.utils.index import chunk_counts
 from fla.utils.grid import cdiv
 from fla.utils.triton_facts import multiprocessor_count
 
-__all__ = ["segment_chunks_for", "lead_chunks_for", "segment_tables", "split_tables",
-           "lead_split_tables", "sequence_chunks", "transition_width", "program_slots"]
+__all__ = ["segment_chunks_for", "lead_chunks_for", "checkpoint_lead_chunks_for",
+           "segment_tables", "split_tables", "lead_split_tables", "checkpoint_tables",
+           "sequence_chunks", "transition_width", "program_slots"]
 
 CHUNK = 64  # tokens a chunk, in every chunk pass
 
@@ -182,19 +183,46 @@ def lead_pieces(seq_chunks: list[int], lead: int) -> list[list[int]]:
     return [[lead, c - lead] if c > lead else [c] for c in seq_chunks]
 
 
+def _pieces_time(lead: int, seq_chunks: list[int], heads: int, tiles: int,
+                 slots: int) -> int:
+    """Steps until the last piece of a lead split ends, every piece (``tiles`` programs a
+    head) launched longest first on ``slots`` programs."""
+    counts: dict = {}
+    for ps in lead_pieces(seq_chunks, lead):
+        for p in ps:
+            counts[p] = counts.get(p, 0) + heads * tiles
+    return _list_schedule(sorted(counts.items(), reverse=True), slots)
+
+
 def lead_split_time(lead: int, seq_chunks: list[int], heads: int, output_tiles: int,
                     transition_tiles: int, slots: int) -> float:
     """The launch model's time (output chunk steps) of the scalar-decay pass with lead
     pieces of ``lead`` chunks: the lead pieces' transitions, the combine, then every
     piece, longest first, on ``slots`` programs."""
-    pieces = sorted((p for ps in lead_pieces(seq_chunks, lead) for p in ps), reverse=True)
-    counts: dict = {}
-    for p in pieces:
-        counts[p] = counts.get(p, 0) + heads * output_tiles
     cut = sum(1 for c in seq_chunks if c > lead)
-    return (_list_schedule(sorted(counts.items(), reverse=True), slots)
+    return (_pieces_time(lead, seq_chunks, heads, output_tiles, slots)
             + cdiv(cut * heads * transition_tiles, slots) * TRANSITION_STEP["scalar"] * lead
             + COMBINE_STEP["scalar"])
+
+
+def _fills_slots_unevenly(seq_chunks: list[int], heads: int, tiles: int) -> bool:
+    """Whether a pass of ``tiles`` programs a head and sequence has more programs than SMs
+    and fewer than program slots, over sequences long enough to cut (see above)."""
+    programs = len(seq_chunks) * heads * tiles
+    return (multiprocessor_count() < programs < program_slots()
+            and max(seq_chunks) >= LEAD_SPLIT_MIN_CHUNKS)
+
+
+def _best_lead(seq_chunks: list[int], time) -> int:
+    """The lead length (at most 64 candidates up to half the longest sequence) with the
+    least ``time(lead)``, or 0 where it saves less than MIN_LEAD_SAVING of the unsplit
+    pass (the longest sequence's steps)."""
+    longest = max(seq_chunks)
+    # At most 64 candidate lengths (every one up to 128-chunk sequences): packed batches
+    # bring new lengths every step, and each candidate lists every piece.
+    step = cdiv(longest, 128)
+    chosen = min(range(step, longest // 2 + 1, step), key=time)
+    return 0 if time(chosen) > (1 - MIN_LEAD_SAVING) * longest else chosen
 
 
 def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
@@ -202,22 +230,32 @@ def lead_chunks_for(seq_chunks: list[int], heads: int, output_tiles: int,
     """The lead piece's length (chunks) for the scalar-decay pass over sequences of
     ``seq_chunks`` chunks, or 0: no lead split (see LEAD_SPLIT_MIN_CHUNKS above). The
     model's best of at most 64 lengths, remembered per argument set."""
-    slots = program_slots()
-    programs = len(seq_chunks) * heads * output_tiles
-    longest = max(seq_chunks)
-    if not multiprocessor_count() < programs < slots or longest < LEAD_SPLIT_MIN_CHUNKS:
+    if not _fills_slots_unevenly(seq_chunks, heads, output_tiles):
         return 0
+    slots = program_slots()
     key = (tuple(seq_chunks), heads, output_tiles, transition_tiles, slots)
     chosen = _lead_lengths.get(key)
     if chosen is None:
         shape = (seq_chunks, heads, output_tiles, transition_tiles, slots)
-        # At most 64 candidate lengths (every one up to 128-chunk sequences): packed
-        # batches bring new lengths every step, and each candidate lists every piece.
-        step = cdiv(longest, 128)
-        chosen = min(range(step, longest // 2 + 1, step),
-                     key=lambda n: lead_split_time(n, *shape))
-        if lead_split_time(chosen, *shape) > (1 - MIN_LEAD_SAVING) * longest:
-            chosen = 0
+        chosen = _best_lead(seq_chunks, lambda n: lead_split_time(n, *shape))
+        _remember(_lead_lengths, key, chosen, limit=256)
+    return chosen
+
+
+def checkpoint_lead_chunks_for(seq_chunks: list[int], heads: int, tiles: int) -> int:
+    """The lead piece's length (chunks) for a pass that restarts each sequence's rest from
+    a state kept at the cut, or 0 (see LEAD_SPLIT_MIN_CHUNKS above): no transitions to
+    pay, only the pieces' schedule (``tiles`` programs a head and piece). The delta
+    rule's backward states pass, whose forward keeps the state at the cut
+    (``chunk_fwd_inter``'s checkpointed pass). Remembered per argument set."""
+    if not _fills_slots_unevenly(seq_chunks, heads, tiles):
+        return 0
+    slots = program_slots()
+    key = ("checkpoint", tuple(seq_chunks), heads, tiles, slots)
+    chosen = _lead_lengths.get(key)
+    if chosen is None:
+        chosen = _best_lead(seq_chunks,
+                            lambda n: _pieces_time(n, seq_chunks, heads, tiles, slots))
         _remember(_lead_lengths, key, chosen, limit=256)
     return chosen
 
@@ -323,5 +361,30 @@ def lead_split_tables(offsets: list[int], lead: int, device
     tables = (_table([rows[i] for i in lead_rows], device, lead_rows),
               _table([rows[i] for i in longest_first], device, longest_first),
               torch.tensor(starts, dtype=torch.int32).to(device))
+    _remember(_segment_tables, key, tables)
+    return tables
+
+
+def checkpoint_tables(offsets: list[int], lead: int, device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tables of a lead split run from a checkpoint (each sequence longer than
+    ``lead`` chunks cut once; no transitions): ``(firsts, rests, pieces)``. ``firsts``
+    holds each sequence's first piece (the lead, or the whole sequence), state row n;
+    ``rests`` each cut sequence's rest, state row n; ``pieces`` all of them longest first,
+    the firsts at state row n and the rests at N + n, so that one ``[2N, H, K, V]``
+    buffer, the initial states and then the states at the cuts, holds every piece's
+    entering state. Cached per (offsets, lead)."""
+    key = ("checkpoint", tuple(offsets), lead, str(device))
+    cached = _segment_tables.get(key)
+    if cached is not None:
+        return cached
+    counts = chunk_counts(offsets, CHUNK)
+    N = len(counts)
+    firsts = [(n, 0, min(lead, c), n) for n, c in enumerate(counts)]
+    rests = [(n, lead, c, n) for n, c in enumerate(counts) if c > lead]
+    pieces = sorted(firsts + [(n, f, e, N + n) for n, f, e, _ in rests],
+                    key=lambda r: r[1] - r[2])
+    tables = tuple(torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+                   for rows in (firsts, rests, pieces))
     _remember(_segment_tables, key, tables)
     return tables
