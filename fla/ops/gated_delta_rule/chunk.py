@@ -10,15 +10,15 @@ the new values Vn never reach memory in the forward.
 
 The backward keeps only q, k, v, γ, β, Ai, Aqk, the initial state and, where the forward
 split few long sequences into segments, the state entering each segment ([P, H, K, V]
-fp32), or where its states pass would leave program slots idle, the state at one cut of
+fp32), or, where its states pass would leave program slots idle, the state at one cut of
 each sequence (a checkpoint the forward keeps by running its pass in two launches:
-[2N, H, K, V] fp32 with the initial states). It recomputes the per-chunk states h and Vn, with the forward's own pass storing
-them instead of the output (``chunk_fwd_inter`` with ``states_out``: Vn = Ai β(V − e^γ
-K S), no U formed; a split pass restarts every segment from its kept state, with no
-transitions or combine again, and so does a checkpointed one, both pieces of every
-sequence in one launch) for bf16 inputs (see ``_backward``), and in fp32 where
-the grid is full or the pass splits sequences, else with the staged pass over the WY
-factors W, U (``wy_fast``, ``chunk_delta_h``); then the
+[2N, H, K, V] fp32 with the initial states). It recomputes the per-chunk states h and
+Vn, with the forward's own pass storing them instead of the output (``chunk_fwd_inter``
+with ``states_out``: Vn = Ai β(V − e^γ K S), no U formed; a split pass restarts every
+segment from its kept state, with no transitions or combine again, and a checkpointed
+one runs both pieces of every sequence in one launch) for bf16 inputs (see
+``_backward``), and in fp32 where the grid is full or the pass splits sequences, else
+with the staged pass over the WY factors W, U (``wy_fast``, ``chunk_delta_h``); then the
 reverse state pass (split into the same segments where the forward split) and the
 gradient stages (``fla.ops.common``, ``wy_fast_bwd``).
 Storing h instead would cost [B, NT, H, K, V] per layer; Aqk, 64 values a token and head
