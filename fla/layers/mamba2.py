@@ -20,6 +20,7 @@ from fla.layers.utils import (
 from fla.modules import GroupNorm, ShortConvolution
 from fla.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update
 from fla.ops.mamba2.chunk import ssd_as_simple_gla
+from fla.utils.custom_ops import needs_backward
 
 __all__ = ["Mamba2"]
 
@@ -138,8 +139,7 @@ class Mamba2(nn.Module):
                     x, dt, A, Bm, Cm, self.chunk_size, D=self.D, z=z, initial_states=h0,
                     cu_seqlens=cu_seqlens, return_final_states=use_cache)
                 y, final = out if use_cache else (out, None)
-            elif T == 1 and cu_seqlens is None and not (torch.is_grad_enabled() and any(
-                    p.requires_grad for p in self.parameters())):
+            elif T == 1 and cu_seqlens is None and not needs_backward(*self.parameters()):
                 # The kernel updates the state in place: a copy unless it is to be stored.
                 y, final = self._step(x, dt, A, Bm, Cm, z, h0 if h0 is None or use_cache
                                       else h0.clone())

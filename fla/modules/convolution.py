@@ -39,6 +39,7 @@ from fla.ops.utils.partial_sums import sum_partial_pair
 from fla.utils.backend import Backend, select_backend
 from fla.utils.custom_ops import (
     decode_op,
+    needs_backward,
     outside_graph,
     present,
     stage_op,
@@ -680,8 +681,7 @@ class ShortConvolution(nn.Conv1d):
                     f"kernel_size), got {tuple(cache.shape)}")
         one_token_each = (T == 1 and cu_seqlens is None) or (
             cu_seqlens is not None and B == 1 and cu_seqlens.numel() == T + 1)
-        grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, self.weight, self.bias, cache))
+        grad = needs_backward(x, self.weight, self.bias, cache)
         if cache is not None and one_token_each and not grad:
             y, cache = self.step(x.view(B * T, D) if cu_seqlens is not None else x, cache)
             return y.view(B, T, D), cache if output_final_state else None

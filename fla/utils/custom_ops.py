@@ -28,8 +28,8 @@ import torch
 from fla.utils import compile_ahead
 from fla.utils.step_plans import StepPlans
 
-__all__ = ["stage_op", "decode_op", "present", "upstream_grads", "StageOp", "traced",
-           "use_op", "outside_graph"]
+__all__ = ["stage_op", "decode_op", "present", "upstream_grads", "needs_backward",
+           "StageOp", "traced", "use_op", "outside_graph"]
 
 NAMESPACE = "fla"
 
@@ -243,6 +243,15 @@ def decode_op(name: str, step: Callable, schema: str, mutates: str,
 def present(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
     """An op output mapped back: ``t`` if the step produced it, else None."""
     return t if exists else None
+
+
+def needs_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on ``tensors`` (None entries skipped) will be differentiated: grad
+    mode on and some tensor requiring grad. Decided by the caller, outside the op: inside
+    an autograd Function's forward grad mode is off. The ops' forward steps take it as
+    a flag, to keep what only a backward reads (scores, states, checkpoints)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in tensors)
 
 
 def upstream_grads(do: torch.Tensor | None, dht: torch.Tensor | None, like: torch.Tensor,

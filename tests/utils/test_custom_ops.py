@@ -1,6 +1,6 @@
 """fla.utils.custom_ops.outside_graph: a graph break under torch.compile, a plain call in
 eager mode, and no import of torch._dynamo by eager code (it cost the first call of a
-lazily loaded op 1-4 s on the GPU host)."""
+lazily loaded op 1-4 s on the GPU host); needs_backward."""
 from __future__ import annotations
 
 import os
@@ -81,3 +81,14 @@ def test_eager_varlen_ops_never_import_dynamo():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=280)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_needs_backward():
+    """A differentiated call: grad mode on and some tensor requiring grad (None skipped)."""
+    from fla.utils.custom_ops import needs_backward
+    x, w = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert needs_backward(x, None, w)
+    assert not needs_backward(x, None)
+    assert not needs_backward()
+    with torch.no_grad():
+        assert not needs_backward(x, w)

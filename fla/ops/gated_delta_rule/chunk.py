@@ -50,7 +50,7 @@ from fla.modules.l2norm import l2norm as fused_l2norm
 from fla.ops.utils.l2norm import l2norm
 from fla.ops.utils.solve_tril import solve_tril
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 from fla.utils.grid import cdiv, sequential_grid_fill
 
@@ -236,8 +236,7 @@ compile_ahead.follow("gated_delta_rule.fwd", "gated_delta_rule.bwd", _backward, 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   chunk_indices, offsets):
     """The Triton path: ``(o, final_state)`` through the custom op."""
-    for_backward = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    for_backward = needs_backward(q, k, v, g, beta, initial_state)
     o, _, _, final_state, _, _, _ = _chunk_fwd(q, k, v, g, beta, scale, initial_state,
                                                output_final_state, for_backward, cu_seqlens,
                                                chunk_indices, offsets)

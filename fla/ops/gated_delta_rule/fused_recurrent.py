@@ -71,7 +71,7 @@ from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.l2norm import L2NORM_EPS
 from fla.ops.utils.state_tiles import load_state_tiles, state_tile
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 from fla.utils.grid import cdiv
 from fla.utils.tuning import tuned
 
@@ -440,8 +440,7 @@ def fused_recurrent_triton(
 
     u is saved only when a gradient will be taken: decoding is one kernel launch that
     writes o and the final state, nothing else."""
-    save_u = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    save_u = needs_backward(q, k, v, g, beta, initial_state)
     o, ht, _ = _fused_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                           cu_seqlens, N, use_qk_l2norm, save_u, delta)
     return o, present(ht, output_final_state)

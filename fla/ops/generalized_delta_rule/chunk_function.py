@@ -25,7 +25,7 @@ from fla.ops.generalized_delta_rule.inputs import DPLRInputs
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.ops.utils.solve_tril import solve_tril_fwd
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 
 
 def _forward(q, k, v, a, b, gk, initial_state, scale, output_final_state, cu_seqlens,
@@ -106,8 +106,7 @@ def chunk_dplr_triton(x: DPLRInputs, output_final_state: bool):
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
     # h and u ([NT, H, K, V] and [B, T, H, V]) are kept only when a backward will need them.
-    save = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (*x.tensors(), x.initial_state))
+    save = needs_backward(*x.tensors(), x.initial_state)
     o, ht, *_ = _chunk_fwd(*x.tensors(), x.initial_state, x.scale, output_final_state,
                            x.cu_seqlens, chunk_indices, x.seq_offsets, x.N, save)
     return o, present(ht, output_final_state)

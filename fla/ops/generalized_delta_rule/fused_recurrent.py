@@ -44,7 +44,7 @@ from fla.ops.generalized_delta_rule.recurrent_torch import recurrent_dplr_torch
 from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.state_tiles import load_state_tiles, state_tile
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.tuning import Config, tuned
 
@@ -295,8 +295,7 @@ def fused_recurrent_dplr_on_inputs(x: DPLRInputs, output_final_state: bool):
                                     output_final_state, x.seq_offsets)
     # The Triton path, through the custom op; s is saved only when a gradient will be
     # taken (decoding launches one kernel that writes o and the final state).
-    save_s = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                             for t in (*x.tensors(), x.initial_state))
+    save_s = needs_backward(*x.tensors(), x.initial_state)
     o, final_state, _ = _fused_fwd(*x.tensors(), x.scale, x.initial_state, output_final_state,
                                    x.cu_seqlens, x.N, save_s)
     return o, present(final_state, output_final_state)

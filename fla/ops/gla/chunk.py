@@ -33,7 +33,7 @@ from fla.ops.gla.inputs import GLAInputs, prepare_gla_inputs
 from fla.ops.gla.recurrent_torch import chunk_gla_torch
 from fla.ops.utils.index import prepare_chunk_indices, varlen_chunk_offsets
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_gla", "chunk_gla_on_inputs"]
@@ -160,8 +160,7 @@ def chunk_gla_on_inputs(x: GLAInputs, output_final_state: bool, exclusive: bool 
                                               cu_seqlens_cpu=x.seq_offsets)
         chunk_offsets = varlen_chunk_offsets(x.cu_seqlens, CHUNK_SIZE, x.seq_offsets)
     u = x.u.contiguous() if exclusive and x.u is not None else None
-    keep_operands = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x.q, x.k, x.v, x.gk, u, x.initial_state))
+    keep_operands = needs_backward(x.q, x.k, x.v, x.gk, u, x.initial_state)
     o, final_state, *_ = _chunk_fwd(x.q, x.k, x.v, x.gk, u, x.initial_state, x.scale,
                                     output_final_state, keep_operands, x.cu_seqlens,
                                     chunk_indices, chunk_offsets, x.seq_offsets, exclusive,

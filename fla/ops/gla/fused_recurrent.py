@@ -47,7 +47,7 @@ from fla.ops.gla.recurrent_torch import recurrent_gla_torch
 from fla.ops.utils.index import locate_sequence
 from fla.ops.utils.state_tiles import load_state_tiles, state_tile
 from fla.utils.backend import Backend, select_backend
-from fla.utils.custom_ops import present, stage_op
+from fla.utils.custom_ops import needs_backward, present, stage_op
 from fla.utils.grid import cdiv, sequential_grid_fill
 from fla.utils.tuning import Config, tuned
 
@@ -295,8 +295,7 @@ def _fused_triton(q, k, v, gk, gv, x: GLAInputs, output_final_state: bool, exclu
                   out_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The Triton path through the custom op: ``(o, final_state)``; q, k, v, gk, gv
     time-major (possibly flipped), the rest of the call from ``x``."""
-    train = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, gk, gv, x.initial_state))
+    train = needs_backward(q, k, v, gk, gv, x.initial_state)
     # The final state is also what the gate gradients need from the forward.
     store = output_final_state or (train and (gk is not None or gv is not None))
     o, ht = _fused_fwd(q, k, v, gk, gv, x.scale, x.initial_state, store, x.cu_seqlens,

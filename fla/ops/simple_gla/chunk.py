@@ -43,7 +43,7 @@ from fla.ops.simple_gla.inputs import prepare_simple_gla_inputs
 from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_fwd
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.utils import compile_ahead
-from fla.utils.custom_ops import present, stage_op, upstream_grads
+from fla.utils.custom_ops import needs_backward, present, stage_op, upstream_grads
 from fla.utils.backend import Backend, select_backend
 
 __all__ = ["chunk_simple_gla"]
@@ -266,8 +266,7 @@ def chunk_simple_gla_on_inputs(x: GatedDeltaInputs, output_final_state: bool):
     chunk_indices = (None if x.cu_seqlens is None else
                      prepare_chunk_indices(x.cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=x.seq_offsets))
     # The scores are written out only for a backward (100 MB at 1x8192x96x128 in bf16).
-    save_scores = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, x.v, x.g, x.initial_state))
+    save_scores = needs_backward(q, k, x.v, x.g, x.initial_state)
     o, final_state, _, _, _, _ = _chunk_fwd(q, k, x.v, x.g, x.initial_state, x.scale,
                                          output_final_state, save_scores, x.cu_seqlens,
                                          chunk_indices, x.seq_offsets)
