@@ -10,7 +10,11 @@ output launch):
   length, for passes with fewer programs than the GPU holds at once;
 - the lead split (:func:`lead_chunks_for`): each sequence cut once, a short lead piece and
   the rest, launched longest first, for passes whose programs outnumber the SMs but not
-  the program slots (without the delta only).
+  the program slots (without the delta only: the lead pieces' transitions are cheap);
+- the checkpointed lead split (:func:`checkpoint_lead_chunks_for`): the same cut for a
+  pass that restarts the rest from a state an earlier pass kept at the cut, with no
+  transitions at all (the delta rule's backward states pass, its forward run as two
+  launches to keep that state).
 
 The tables are ``[P, 4]`` int32 rows (sequence, first chunk, end chunk, state row): the
 state row indexes the per-segment buffers (entering states, transitions), so that a
